@@ -1,0 +1,3 @@
+"""tensorwire.ps — see ../shared/DESIGN.md; not built yet."""
+
+__all__ = ()

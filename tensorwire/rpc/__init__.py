@@ -1,0 +1,3 @@
+"""tensorwire.rpc — see ../shared/DESIGN.md; not built yet."""
+
+__all__ = ()

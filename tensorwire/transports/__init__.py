@@ -1,0 +1,26 @@
+"""Transports move messages (lists of frames) between two endpoints.
+
+``connect(url)`` and ``listen(url, on_connection)`` pick the transport from
+the URL scheme: ``tcp://host:port``, ``ucx://host:port``, ``inproc://name``.
+Transports never look inside a frame.
+"""
+
+from ._base import Allocator, Connection, ConnectionHandler, FrameInfo, Listener, default_allocator
+from ._registry import Backend, connect, listen, register_transport
+from .config import Limits, TransportConfig, UCXOptions
+
+__all__ = (
+    "Allocator",
+    "Backend",
+    "Connection",
+    "ConnectionHandler",
+    "FrameInfo",
+    "Limits",
+    "Listener",
+    "TransportConfig",
+    "UCXOptions",
+    "connect",
+    "default_allocator",
+    "listen",
+    "register_transport",
+)

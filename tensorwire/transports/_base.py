@@ -1,0 +1,267 @@
+"""The transport interface: connections that move messages (lists of frames)."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from ..errors import LimitExceededError, TransportError
+from .config import Limits
+
+__all__ = (
+    "Allocator",
+    "Connection",
+    "ConnectionHandler",
+    "FrameInfo",
+    "Listener",
+    "default_allocator",
+)
+
+logger = logging.getLogger(__name__)
+
+Device = Literal["cpu", "cuda"]
+#: Host frames are writable NumPy uint8 arrays aligned to this many bytes, so
+#: that any dtype (and AVX-512 loads) can view them without a copy.
+ALIGNMENT = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrameInfo:
+    """What the receiver knows of a frame before its data lands.
+
+    Attributes:
+        index: position of the frame in its message.
+        nbytes: exact size of the frame.
+        device: ``"cpu"`` for host memory, ``"cuda"`` for device memory.
+    """
+
+    index: int
+    nbytes: int
+    device: Device = "cpu"
+
+
+#: Returns a writable buffer of exactly ``info.nbytes`` bytes: host memory
+#: (anything with the writable buffer protocol) for ``"cpu"`` frames, an object
+#: with ``__cuda_array_interface__`` for ``"cuda"`` frames.
+Allocator = Callable[[FrameInfo], Any]
+ConnectionHandler = Callable[["Connection"], Awaitable[None]]
+
+
+def host_empty(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A writable uint8 array of ``nbytes`` whose data is ALIGNMENT-aligned."""
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    offset = -raw.ctypes.data % ALIGNMENT
+    return raw[offset : offset + nbytes]
+
+
+def device_empty(nbytes: int) -> Any:
+    """A CUDA uint8 array of ``nbytes`` on the current device (needs CuPy)."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise TransportError("a CUDA frame arrived but CuPy is not installed") from exc
+    return cupy.empty(nbytes, dtype=cupy.uint8)
+
+
+def default_allocator(info: FrameInfo) -> Any:
+    """Allocate each frame at its exact size where it belongs."""
+    if info.device == "cuda":
+        return device_empty(info.nbytes)
+    return host_empty(info.nbytes)
+
+
+def is_device_frame(frame: Any) -> bool:
+    """True when ``frame`` lives in GPU memory."""
+    return hasattr(frame, "__cuda_array_interface__") and not _has_buffer_protocol(frame)
+
+
+def _has_buffer_protocol(obj: Any) -> bool:
+    try:
+        memoryview(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def device_nbytes(frame: Any) -> int:
+    """Size of a contiguous CUDA buffer from ``__cuda_array_interface__``."""
+    cai = frame.__cuda_array_interface__
+    if cai.get("strides") is not None:
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        expected = itemsize
+        for dim, stride in zip(reversed(cai["shape"]), reversed(cai["strides"]), strict=True):
+            if stride != expected and dim > 1:
+                raise TransportError("CUDA frames must be C-contiguous")
+            expected *= dim
+    count = 1
+    for dim in cai["shape"]:
+        count *= dim
+    return count * int(np.dtype(cai["typestr"]).itemsize)
+
+
+def host_view(frame: Any) -> memoryview:
+    """A flat byte view of a host frame, without copying.
+
+    Raises:
+        TransportError: the frame is neither a buffer nor contiguous.
+    """
+    try:
+        view = memoryview(frame)
+    except TypeError as exc:
+        raise TransportError(
+            f"a frame must support the buffer protocol or __cuda_array_interface__, "
+            f"got {type(frame).__name__}"
+        ) from exc
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if view.c_contiguous:
+        return view.cast("B")
+    if view.f_contiguous:
+        # memoryview cannot cast a Fortran-ordered view; NumPy can, still
+        # without copying.
+        return memoryview(np.asarray(view).ravel(order="F").view(np.uint8))
+    raise TransportError("frames must be contiguous buffers")
+
+
+def writable_view(buffer: Any, info: FrameInfo) -> memoryview:
+    """Check an allocator's host buffer and return a flat writable view."""
+    view = host_view(buffer)
+    if view.readonly:
+        raise TransportError(f"allocator returned a read-only buffer for frame {info.index}")
+    if view.nbytes != info.nbytes:
+        raise TransportError(
+            f"allocator returned {view.nbytes} bytes for frame {info.index} of {info.nbytes}"
+        )
+    return view
+
+
+def check_frame_count(nframes: int, limits: Limits) -> None:
+    """Refuse a message announced with more frames than ``limits`` allow.
+
+    Raises:
+        LimitExceededError: too many frames.
+    """
+    if nframes > limits.max_frames:
+        raise LimitExceededError(
+            f"message of {nframes} frames exceeds the limit of {limits.max_frames}"
+        )
+
+
+def check_limits(sizes: Sequence[int], limits: Limits) -> None:
+    """Refuse an announced message that exceeds ``limits``, before allocating.
+
+    Raises:
+        LimitExceededError: too many frames, a frame or the message too large.
+    """
+    check_frame_count(len(sizes), limits)
+    total = 0
+    for size in sizes:
+        if size > limits.max_frame_bytes:
+            raise LimitExceededError(
+                f"frame of {size} bytes exceeds the limit of {limits.max_frame_bytes}"
+            )
+        total += size
+    if total > limits.max_message_bytes:
+        raise LimitExceededError(
+            f"message of {total} bytes exceeds the limit of {limits.max_message_bytes}"
+        )
+
+
+class Connection(abc.ABC):
+    """One end of a connection that moves messages, in order and whole.
+
+    A message is a list of frames; a frame is a host buffer (anything with the
+    buffer protocol, contiguous) or a device buffer (``__cuda_array_interface__``).
+    Concurrent ``send`` calls never interleave their frames.
+    """
+
+    #: The transport's URL scheme ("tcp", "ucx", "inproc").
+    scheme: str = ""
+
+    @property
+    @abc.abstractmethod
+    def local_address(self) -> str:
+        """The URL of this end."""
+
+    @property
+    @abc.abstractmethod
+    def peer_address(self) -> str:
+        """The URL of the other end."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """True once the connection is closed, aborted or broken."""
+
+    @abc.abstractmethod
+    async def send(self, frames: Sequence[Any]) -> None:
+        """Send one message; returns once the frames may be reused.
+
+        Raises:
+            ConnectionClosedError: the connection is closed or broke.
+            TransportError: a frame is not a usable buffer.
+        """
+
+    @abc.abstractmethod
+    async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
+        """Receive the next message as a list of frames.
+
+        Each frame is allocated at its exact size by ``allocator`` (default:
+        the connection's; :func:`default_allocator` gives aligned writable
+        NumPy uint8 arrays for host frames and CuPy arrays for device frames),
+        before its data lands, so the data is written once.
+
+        Raises:
+            ConnectionClosedError: the peer closed, went away, or we closed.
+            LimitExceededError: the peer announced a message beyond the limits
+                (the connection is aborted).
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Close politely: finish queued sends, tell the peer, wait briefly."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close at once, without telling the peer; safe to call twice."""
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<{type(self).__name__} {self.local_address} -> {self.peer_address} {state}>"
+
+
+class Listener(abc.ABC):
+    """Accepts connections and hands each to the ``on_connection`` handler.
+
+    The handler owns its connection. When the handler raises, the listener
+    logs it and aborts that connection; other connections are unaffected.
+    """
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The URL this listener really got (the port filled in when 0 was asked)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop accepting, cancel running handlers and abort their connections."""
+
+    async def __aenter__(self) -> Listener:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.address}>"

@@ -1,0 +1,283 @@
+"""What every byte-stream connection shares: framing, waiters, close.
+
+A concrete driver supplies the I/O: ``_write`` (send a list of buffers),
+``_pause_reading`` / ``_resume_reading``, ``_shutdown_write`` and
+``_close_io``; it feeds received bytes to ``self._reader`` and calls
+``_after_read()`` / ``_on_eof()`` / ``_fail()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ConnectionClosedError, TensorwireError, TransportError
+from ._base import (
+    Allocator,
+    Connection,
+    default_allocator,
+    device_nbytes,
+    host_view,
+    is_device_frame,
+)
+from ._wire import GOODBYE, FrameReader, Goodbye, pack_header
+from .config import TransportConfig
+
+__all__ = ("StreamConnection", "outgoing")
+
+logger = logging.getLogger(__name__)
+
+
+def outgoing(frames: Sequence[Any]) -> list[Any]:
+    """The buffers that put ``frames`` on a byte stream: header, then frames.
+
+    Host frames go as zero-copy views; a CUDA frame is first copied to host
+    memory, since a socket cannot read device memory.
+    """
+    sizes: list[int] = []
+    devices: list[str] = []
+    views: list[Any] = []
+    for frame in frames:
+        if is_device_frame(frame):
+            from ._device import device_to_host
+
+            sizes.append(device_nbytes(frame))
+            devices.append("cuda")
+            views.append(memoryview(device_to_host(frame)))
+        else:
+            view = host_view(frame)
+            sizes.append(view.nbytes)
+            devices.append("cpu")
+            views.append(view)
+    return [pack_header(sizes, devices), *views]
+
+
+class StreamConnection(Connection):
+    """A connection over an ordered byte stream, speaking docs/protocol.md."""
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        allocator: Allocator | None,
+        local_address: str,
+        peer_address: str,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._config = config
+        self._allocator = allocator or default_allocator
+        self._local_address = local_address
+        self._peer_address = peer_address
+        self._reader = FrameReader(config.limits)
+        self._waiters: deque[tuple[asyncio.Future[list[Any]], Allocator | None]] = deque()
+        self._ready: deque[list[Any]] = deque()
+        # The recv() whose allocator the message now being received went to.
+        self._bound: asyncio.Future[list[Any]] | None = None
+        self._send_lock = asyncio.Lock()
+        self._handshake: asyncio.Future[None] = self._loop.create_future()
+        self._peer_gone: asyncio.Future[None] = self._loop.create_future()
+        self._error: TensorwireError | None = None
+        self._closing = False
+
+    # -- Connection API ------------------------------------------------------
+
+    @property
+    def local_address(self) -> str:
+        return self._local_address
+
+    @property
+    def peer_address(self) -> str:
+        return self._peer_address
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None or self._closing
+
+    async def send(self, frames: Sequence[Any]) -> None:
+        if self.closed:
+            raise self._closed_error()
+        buffers = outgoing(frames)
+        async with self._send_lock:
+            if self.closed:
+                raise self._closed_error()
+            await self._send_buffers(buffers)
+
+    async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
+        if self._ready:
+            return self._ready.popleft()
+        if self._error is not None:
+            raise self._closed_error()
+        waiter: asyncio.Future[list[Any]] = self._loop.create_future()
+        entry = (waiter, allocator)
+        self._waiters.append(entry)
+        if self._pump():
+            self._resume_reading()
+        try:
+            return await waiter
+        finally:
+            if not waiter.done() or waiter.cancelled():
+                self._forget(entry)
+
+    async def close(self) -> None:
+        if self.closed:
+            self.abort()
+            return
+        self._closing = True
+        try:
+            async with asyncio.timeout(self._config.close_timeout):
+                async with self._send_lock:
+                    if self._error is None:
+                        await self._send_buffers([GOODBYE])
+                        self._shutdown_write()
+                await asyncio.shield(self._peer_gone)
+        except (TimeoutError, TensorwireError, OSError) as exc:
+            logger.debug("polite close of %s cut short: %s", self, exc)
+        finally:
+            self._fail(ConnectionClosedError(f"connection to {self._peer_address} was closed"))
+
+    def abort(self) -> None:
+        self._fail(ConnectionClosedError(f"connection to {self._peer_address} was aborted"))
+
+    # -- for drivers ---------------------------------------------------------
+
+    async def wait_handshake(self, timeout: float) -> None:
+        """Wait for the peer's handshake (already sent by the driver).
+
+        Raises:
+            TransportError: the peer is not a tensorwire endpoint, went away,
+                or was too slow.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._handshake)
+        except TimeoutError:
+            self._fail(ConnectionClosedError("handshake timed out"))
+            raise TransportError(
+                f"no tensorwire handshake from {self._peer_address} within {timeout} s"
+            ) from None
+
+    def _after_read(self) -> bool:
+        """Hand out what the reader produced; False: stop reading for now."""
+        if not self._handshake.done() and not self._reader.awaiting_handshake:
+            self._handshake.set_result(None)
+        return self._pump()
+
+    def _on_eof(self) -> None:
+        if self._error is None:
+            if self._reader.mid_message:
+                reason = f"connection to {self._peer_address} broke in the middle of a message"
+            else:
+                reason = f"connection closed by the peer {self._peer_address}"
+            self._fail(ConnectionClosedError(reason))
+        self._set_peer_gone()
+
+    def _fail(self, error: TensorwireError) -> None:
+        """Close the I/O and fail everything waiting; the first error sticks."""
+        if self._error is not None:
+            return
+        self._error = error
+        self._close_io()
+        if not self._handshake.done():
+            self._handshake.set_exception(error)
+            self._handshake.exception()
+        self._set_peer_gone()
+        while self._waiters:
+            waiter, _ = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    # -- internals -------------------------------------------------------------
+
+    def _set_peer_gone(self) -> None:
+        if not self._peer_gone.done():
+            self._peer_gone.set_result(None)
+
+    def _closed_error(self) -> TensorwireError:
+        error = self._error
+        if error is None:
+            return ConnectionClosedError(f"connection to {self._peer_address} is closing")
+        if isinstance(error, ConnectionClosedError):
+            return error
+        closed = ConnectionClosedError(f"connection to {self._peer_address} failed: {error}")
+        closed.__cause__ = error
+        return closed
+
+    def _forget(self, entry: tuple[asyncio.Future[list[Any]], Allocator | None]) -> None:
+        try:
+            self._waiters.remove(entry)
+        except ValueError:
+            pass
+
+    def _pump(self) -> bool:
+        reader = self._reader
+        while True:
+            while reader.events:
+                event = reader.events.popleft()
+                if isinstance(event, Goodbye):
+                    self._fail(
+                        ConnectionClosedError(f"connection closed by the peer {self._peer_address}")
+                    )
+                    return False
+                self._deliver(event)
+            if reader.frames_announced is None:
+                return self._error is None
+            if not self._waiters:
+                return False
+            waiter, allocator = self._waiters[0]
+            try:
+                reader.allocate(allocator or self._allocator)
+            except TensorwireError as exc:
+                self._fail(exc)
+                return False
+            except Exception as exc:
+                error = TransportError(f"receive allocator failed: {exc!r}")
+                error.__cause__ = exc
+                self._fail(error)
+                return False
+            self._bound = waiter
+
+    def _deliver(self, message: list[Any]) -> None:
+        bound, self._bound = self._bound, None
+        if bound is not None and not bound.done():
+            for entry in self._waiters:
+                if entry[0] is bound:
+                    self._waiters.remove(entry)
+                    break
+            bound.set_result(message)
+            return
+        while self._waiters:
+            waiter, _ = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(message)
+                return
+        self._ready.append(message)
+
+    async def _send_buffers(self, buffers: list[Any]) -> None:
+        try:
+            await self._write(buffers)
+        except asyncio.CancelledError:
+            # The stream position is unknown once a write is cut: abort.
+            self.abort()
+            raise
+        except OSError as exc:
+            if not isinstance(exc, TensorwireError):
+                error = ConnectionClosedError(f"send to {self._peer_address} failed: {exc}")
+                error.__cause__ = exc
+                self._fail(error)
+            raise self._closed_error() from exc
+
+    @abc.abstractmethod
+    async def _write(self, buffers: list[Any]) -> None:
+        """Write all of ``buffers`` in order."""
+
+    @abc.abstractmethod
+    def _resume_reading(self) -> None: ...
+
+    @abc.abstractmethod
+    def _shutdown_write(self) -> None: ...
+
+    @abc.abstractmethod
+    def _close_io(self) -> None: ...

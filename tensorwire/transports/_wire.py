@@ -1,0 +1,289 @@
+"""Sans-IO framing of messages on a byte stream (tcp://, and UCX's control).
+
+Bytes in, messages out; no sockets, no event loop. The asyncio drivers feed
+it with ``get_buffer()`` / ``buffer_updated(n)`` (the shape of
+``asyncio.BufferedProtocol``), so a large frame is received straight into
+the buffer its allocator handed out. The layout is in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ProtocolError
+from ._base import FrameInfo, check_frame_count, check_limits, host_empty, writable_view
+from .config import Limits
+
+__all__ = (
+    "GOODBYE",
+    "HANDSHAKE",
+    "PROTOCOL_VERSION",
+    "FrameReader",
+    "Goodbye",
+    "check_handshake",
+    "pack_header",
+)
+
+PROTOCOL_VERSION = 1
+MAGIC = b"TWIR"
+#: Sent once by each side when a stream connection opens: magic, version,
+#: three reserved zero bytes.
+HANDSHAKE = MAGIC + bytes([PROTOCOL_VERSION, 0, 0, 0])
+
+KIND_DATA = 0
+KIND_GOODBYE = 1
+_PRELUDE = struct.Struct("<B3xI")
+PRELUDE_SIZE = _PRELUDE.size
+GOODBYE = _PRELUDE.pack(KIND_GOODBYE, 0)
+
+DEVICE_CODES = {"cpu": 0, "cuda": 1}
+_DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
+
+#: Read-ahead buffer for preludes, tables and small frames: one recv() often
+#: brings several small messages. Frames (or their rest) of at least
+#: DIRECT_MIN bytes are received straight into their own buffer instead.
+STAGING_SIZE = 256 * 1024
+DIRECT_MIN = 64 * 1024
+
+
+def check_handshake(data: bytes | bytearray | memoryview) -> None:
+    """Refuse a peer that does not speak this protocol version.
+
+    Raises:
+        ProtocolError: wrong magic or unsupported version.
+    """
+    data = bytes(data)
+    if data[:4] != MAGIC:
+        raise ProtocolError(f"peer is not a tensorwire endpoint (got {data[:8]!r})")
+    if data[4] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer speaks wire protocol version {data[4]}, this side {PROTOCOL_VERSION}"
+        )
+
+
+def _table_size(nframes: int) -> int:
+    return 8 * nframes + (nframes + 7) // 8 * 8
+
+
+def pack_header(sizes: Sequence[int], devices: Sequence[str]) -> bytes:
+    """The prelude and frame table that precede a message's frames."""
+    n = len(sizes)
+    codes = bytes(DEVICE_CODES[d] for d in devices)
+    pad = b"\0" * (-n % 8)
+    return _PRELUDE.pack(KIND_DATA, n) + struct.pack(f"<{n}Q", *sizes) + codes + pad
+
+
+class Goodbye:
+    """Event: the peer closed the connection politely."""
+
+    __slots__ = ()
+
+
+class _State(enum.Enum):
+    HANDSHAKE = 1
+    PRELUDE = 2
+    TABLE = 3
+    ALLOCATE = 4
+    FRAMES = 5
+    CLOSED = 6
+
+
+class FrameReader:
+    """Parses a byte stream into messages.
+
+    After ``buffer_updated`` the caller looks at ``events`` (a deque of
+    completed messages, each a list of frames, or :class:`Goodbye`) and at
+    ``frames_announced``: once a message's table has arrived, the reader waits
+    for ``allocate(allocator)``, so the receiver chooses where the frames go.
+    The driver stops reading while it waits: a consumer that does not call
+    ``recv()`` pushes back on its sender instead of growing a queue.
+
+    Raises (from ``buffer_updated`` and ``allocate``):
+        ProtocolError: malformed stream.
+        LimitExceededError: a message beyond ``limits``.
+    """
+
+    def __init__(self, limits: Limits, *, handshake: bool = True) -> None:
+        self.limits = limits
+        self.events: deque[list[Any] | Goodbye] = deque()
+        self._staging = memoryview(bytearray(STAGING_SIZE))
+        self._start = 0
+        self._end = 0
+        self._state = _State.HANDSHAKE if handshake else _State.PRELUDE
+        self._direct = False
+        # The buffer being filled (frame table or a frame) and how far.
+        self._target: memoryview | None = None
+        self._pos = 0
+        self._infos: list[FrameInfo] = []
+        self._frames: list[Any] = []
+        self._views: list[memoryview] = []
+        self._bounce: dict[int, Any] = {}
+        self._index = 0
+
+    @property
+    def frames_announced(self) -> list[FrameInfo] | None:
+        """The next message's frames once its table arrived and before allocation."""
+        return self._infos if self._state is _State.ALLOCATE else None
+
+    @property
+    def awaiting_handshake(self) -> bool:
+        """True until the peer's handshake has arrived and checked out."""
+        return self._state is _State.HANDSHAKE
+
+    @property
+    def mid_message(self) -> bool:
+        """True when the stream stopped inside a message (EOF here is an error)."""
+        if self._state in (_State.TABLE, _State.ALLOCATE, _State.FRAMES):
+            return True
+        return self._state is _State.PRELUDE and self._end > self._start
+
+    def get_buffer(self) -> memoryview:
+        """Where the next bytes from the stream should be written."""
+        target = self._target
+        if target is not None and self._start == self._end:
+            remaining = len(target) - self._pos
+            if remaining >= DIRECT_MIN:
+                self._direct = True
+                return target[self._pos :]
+        self._direct = False
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == STAGING_SIZE:
+            pending = self._end - self._start
+            self._staging[:pending] = self._staging[self._start : self._end]
+            self._start, self._end = 0, pending
+        return self._staging[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """``nbytes`` were written into the last buffer from ``get_buffer``."""
+        if self._direct:
+            self._pos += nbytes
+            assert self._target is not None
+            if self._pos == len(self._target):
+                self._target_done()
+        else:
+            self._end += nbytes
+        self._process()
+
+    def allocate(self, allocator: Any) -> None:
+        """Allocate the announced message's frames with ``allocator``."""
+        if self._state is not _State.ALLOCATE:
+            raise RuntimeError("no message is waiting for allocation")
+        frames: list[Any] = []
+        views: list[memoryview] = []
+        for info in self._infos:
+            buffer = allocator(info)
+            frames.append(buffer)
+            if info.device == "cpu":
+                views.append(writable_view(buffer, info))
+            else:
+                # A byte stream cannot write into GPU memory: land the frame
+                # in host memory and copy it over once complete.
+                bounce = host_empty(info.nbytes)
+                self._bounce[info.index] = bounce
+                views.append(memoryview(bounce))
+        self._frames = frames
+        self._views = views
+        self._index = 0
+        self._state = _State.FRAMES
+        self._next_frame()
+        self._process()
+
+    def _next_frame(self) -> None:
+        while self._index < len(self._views):
+            view = self._views[self._index]
+            if len(view):
+                self._target, self._pos = view, 0
+                return
+            self._index += 1
+        self._finish_message()
+
+    def _finish_message(self) -> None:
+        if self._bounce:
+            from ._device import copy_host_to_device
+
+            for index, bounce in self._bounce.items():
+                copy_host_to_device(self._frames[index], bounce)
+            self._bounce = {}
+        self.events.append(self._frames)
+        self._frames, self._views, self._infos = [], [], []
+        self._target = None
+        self._state = _State.PRELUDE
+
+    def _target_done(self) -> None:
+        if self._state is _State.TABLE:
+            assert self._target is not None
+            table = self._target
+            self._target = None
+            self._parse_table(table)
+        else:
+            self._index += 1
+            self._target = None
+            self._next_frame()
+
+    def _parse_table(self, table: memoryview) -> None:
+        n = len(self._infos)
+        sizes = struct.unpack_from(f"<{n}Q", table)
+        codes = table[8 * n : 9 * n]
+        if any(table[9 * n :]):
+            raise ProtocolError("nonzero padding in frame table")
+        check_limits(sizes, self.limits)
+        infos = []
+        for index, (size, code) in enumerate(zip(sizes, codes, strict=True)):
+            if code >= len(_DEVICE_NAMES):
+                raise ProtocolError(f"unknown device code {code} for frame {index}")
+            infos.append(FrameInfo(index, size, _DEVICE_NAMES[code]))
+        self._infos = infos
+        self._state = _State.ALLOCATE
+
+    def _process(self) -> None:
+        staging = self._staging
+        while True:
+            avail = self._end - self._start
+            state = self._state
+            if self._target is not None:
+                if not avail:
+                    return
+                take = min(avail, len(self._target) - self._pos)
+                self._target[self._pos : self._pos + take] = staging[
+                    self._start : self._start + take
+                ]
+                self._start += take
+                self._pos += take
+                if self._pos == len(self._target):
+                    self._target_done()
+                continue
+            if state is _State.PRELUDE:
+                if avail < PRELUDE_SIZE:
+                    return
+                kind, nframes = _PRELUDE.unpack_from(staging, self._start)
+                if bytes(staging[self._start + 1 : self._start + 4]) != b"\0\0\0":
+                    raise ProtocolError("nonzero reserved bytes in message prelude")
+                self._start += PRELUDE_SIZE
+                if kind == KIND_GOODBYE:
+                    self._state = _State.CLOSED
+                    self.events.append(Goodbye())
+                    return
+                if kind != KIND_DATA:
+                    raise ProtocolError(f"unknown message kind {kind}")
+                if nframes == 0:
+                    self.events.append([])
+                    continue
+                check_frame_count(nframes, self.limits)
+                self._infos = [FrameInfo(0, 0)] * nframes
+                self._target = memoryview(bytearray(_table_size(nframes)))
+                self._pos = 0
+                self._state = _State.TABLE
+            elif state is _State.HANDSHAKE:
+                if avail < len(HANDSHAKE):
+                    return
+                check_handshake(staging[self._start : self._start + len(HANDSHAKE)])
+                self._start += len(HANDSHAKE)
+                self._state = _State.PRELUDE
+            else:
+                # ALLOCATE waits for the receiver; CLOSED ignores the rest.
+                return

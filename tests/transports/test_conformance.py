@@ -1,0 +1,387 @@
+"""One conformance suite, run unchanged over every transport and event loop.
+
+Dask's ``check_client_server`` is the model: the same checks over tcp://
+(IPv4 and IPv6), inproc:// and ucx:// (UCX over TCP and shared memory here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tensorwire.errors import (
+    ConfigError,
+    ConnectionClosedError,
+    LimitExceededError,
+    TransportError,
+    UnsupportedTransportError,
+)
+from tensorwire.transports import (
+    Connection,
+    FrameInfo,
+    Limits,
+    Listener,
+    TransportConfig,
+    connect,
+    listen,
+)
+
+Handler = Callable[[Connection], Awaitable[None]]
+
+
+async def echo(conn: Connection) -> None:
+    """Send every message back until the peer goes away."""
+    while True:
+        try:
+            message = await conn.recv()
+        except ConnectionClosedError:
+            return
+        await conn.send(message)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    url: str, handler: Handler = echo, config: TransportConfig | None = None
+) -> AsyncIterator[Listener]:
+    listener = await listen(url, handler, config=config)
+    try:
+        yield listener
+    finally:
+        await listener.close()
+
+
+def as_bytes(frame: Any) -> bytes:
+    return bytes(memoryview(frame).cast("B"))
+
+
+def pattern(size: int, seed: int = 0) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return ((np.arange(size, dtype=np.uint64) * 2654435761 + seed) % 251).astype(np.uint8)
+
+
+async def test_listener_reports_real_address(listen_url: str) -> None:
+    async with serving(listen_url) as listener:
+        assert listener.address.split("://")[0] == listen_url.split("://")[0]
+        if not listen_url.startswith("inproc"):
+            assert not listener.address.endswith(":0")
+            assert int(listener.address.rsplit(":", 1)[1]) > 0
+        async with await connect(listener.address) as conn:
+            await conn.send([b"ping"])
+            assert as_bytes((await conn.recv())[0]) == b"ping"
+
+
+@pytest.mark.parametrize(
+    "size", [0, 1, 2, 3, 1023, 1024, 65535, 65536, 65537, 1 << 20, (1 << 20) + 7, 1 << 26]
+)
+async def test_roundtrip_sizes(listen_url: str, size: int) -> None:
+    data = pattern(size, seed=size)
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        await conn.send([data])
+        (frame,) = await conn.recv()
+        assert memoryview(frame).nbytes == size
+        assert np.array_equal(np.frombuffer(frame, np.uint8), data)
+
+
+async def test_empty_message_and_empty_frames(listen_url: str) -> None:
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        await conn.send([])
+        assert await conn.recv() == []
+        await conn.send([b"", b"x", b"", bytearray(b"yz"), b""])
+        frames = await conn.recv()
+        assert [as_bytes(f) for f in frames] == [b"", b"x", b"", b"yz", b""]
+
+
+async def test_many_frames(listen_url: str) -> None:
+    frames = [pattern(i * 37 % 5000, seed=i) for i in range(1000)]
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        await conn.send(frames)
+        got = await conn.recv()
+        assert len(got) == len(frames)
+        for sent, received in zip(frames, got, strict=True):
+            assert as_bytes(received) == sent.tobytes()
+
+
+async def test_buffer_kinds_arrive_as_their_bytes(listen_url: str) -> None:
+    fortran = np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4))
+    frames: list[Any] = [
+        b"bytes",
+        bytearray(b"bytearray"),
+        memoryview(b"memoryview"),
+        np.arange(5, dtype=np.int32),
+        fortran,
+        np.float32(1.5),
+    ]
+    expected = [
+        b"bytes",
+        b"bytearray",
+        b"memoryview",
+        np.arange(5, dtype=np.int32).tobytes(),
+        fortran.tobytes(order="F"),
+        np.float32(1.5).tobytes(),
+    ]
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        await conn.send(frames)
+        assert [as_bytes(f) for f in await conn.recv()] == expected
+
+
+async def test_non_contiguous_frame_is_refused_and_connection_survives(listen_url: str) -> None:
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        with pytest.raises(TransportError, match="contiguous"):
+            await conn.send([np.arange(10)[::2]])
+        await conn.send([b"still here"])
+        assert as_bytes((await conn.recv())[0]) == b"still here"
+
+
+async def test_both_directions_at_once(listen_url: str) -> None:
+    count = 200
+    received: list[bytes] = []
+
+    async def talker(conn: Connection) -> None:
+        async def pump_out() -> None:
+            for i in range(count):
+                await conn.send([f"server {i}".encode(), pattern(3000, i)])
+
+        sender = asyncio.create_task(pump_out())
+        for i in range(count):
+            frames = await conn.recv()
+            assert as_bytes(frames[0]) == f"client {i}".encode()
+        await sender
+        await conn.recv()  # wait for the client's goodbye
+
+    async with serving(listen_url, talker) as listener, await connect(listener.address) as conn:
+
+        async def pump_in() -> None:
+            for _ in range(count):
+                frames = await conn.recv()
+                received.append(as_bytes(frames[0]))
+                assert as_bytes(frames[1]) == pattern(3000, len(received) - 1).tobytes()
+
+        reader = asyncio.create_task(pump_in())
+        for i in range(count):
+            await conn.send([f"client {i}".encode()])
+        await asyncio.wait_for(reader, 30)
+    assert received == [f"server {i}".encode() for i in range(count)]
+
+
+async def test_concurrent_senders_never_interleave(listen_url: str) -> None:
+    senders, per_sender = 16, 40
+
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+
+        async def sender(s: int) -> None:
+            for i in range(per_sender):
+                size = 1 + (s * 7919 + i * 104729) % 200_000
+                tag = f"{s}:{i}".encode()
+                await conn.send([tag, pattern(size, s), tag])
+
+        tasks = [asyncio.create_task(sender(s)) for s in range(senders)]
+        seen: dict[int, int] = {}
+        for _ in range(senders * per_sender):
+            head, body, tail = await asyncio.wait_for(conn.recv(), 30)
+            assert as_bytes(head) == as_bytes(tail)
+            s, i = map(int, as_bytes(head).split(b":"))
+            assert i == seen.get(s, -1) + 1, "messages of one sender arrived out of order"
+            seen[s] = i
+            size = 1 + (s * 7919 + i * 104729) % 200_000
+            assert as_bytes(body) == pattern(size, s).tobytes()
+        await asyncio.gather(*tasks)
+    assert seen == dict.fromkeys(range(senders), per_sender - 1)
+
+
+async def test_many_connections_to_one_listener(listen_url: str) -> None:
+    async with serving(listen_url) as listener:
+
+        async def client(c: int) -> None:
+            async with await connect(listener.address) as conn:
+                for i in range(10):
+                    await conn.send([f"{c}/{i}".encode()])
+                    assert as_bytes((await conn.recv())[0]) == f"{c}/{i}".encode()
+
+        await asyncio.wait_for(asyncio.gather(*(client(c) for c in range(24))), 60)
+
+
+async def _peer_sees_end(listen_url: str, end: Callable[[Connection], Awaitable[None]]) -> None:
+    outcome: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    async def watcher(conn: Connection) -> None:
+        await conn.send([b"ready"])
+        try:
+            await conn.recv()
+        except ConnectionClosedError as exc:
+            outcome.set_result(exc)
+        else:
+            outcome.set_result(AssertionError("recv() returned after the peer left"))
+
+    async with serving(listen_url, watcher) as listener:
+        conn = await connect(listener.address)
+        await conn.recv()
+        await end(conn)
+        assert conn.closed
+        result = await asyncio.wait_for(outcome, 10)
+        assert isinstance(result, ConnectionClosedError), result
+        with pytest.raises(ConnectionClosedError):
+            await conn.send([b"after close"])
+        with pytest.raises(ConnectionClosedError):
+            await conn.recv()
+
+
+async def test_polite_close_tells_the_peer(listen_url: str) -> None:
+    await _peer_sees_end(listen_url, lambda conn: conn.close())
+
+
+async def test_abort_tells_the_peer_and_is_idempotent(listen_url: str) -> None:
+    async def abort_twice(conn: Connection) -> None:
+        conn.abort()
+        conn.abort()
+        await conn.close()
+
+    await _peer_sees_end(listen_url, abort_twice)
+
+
+async def test_close_delivers_what_was_sent_before(listen_url: str) -> None:
+    got: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+
+    async def collect(conn: Connection) -> None:
+        frames: list[bytes] = []
+        with contextlib.suppress(ConnectionClosedError):
+            while True:
+                frames.append(as_bytes((await conn.recv())[0]))
+        got.set_result(frames)
+
+    async with serving(listen_url, collect) as listener:
+        conn = await connect(listener.address)
+        for i in range(50):
+            await conn.send([str(i).encode() * 1000])
+        await conn.close()
+        assert await asyncio.wait_for(got, 10) == [str(i).encode() * 1000 for i in range(50)]
+
+
+async def test_receive_into_allocator_memory(listen_url: str) -> None:
+    handed_out: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+
+    def allocator(info: FrameInfo) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        assert info.device == "cpu"
+        buffer = np.empty(info.nbytes, np.uint8)
+        handed_out.append(buffer)
+        return buffer
+
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        sent = [pattern(1 << 20), pattern(10, 1), pattern(0)]
+        await conn.send(sent)
+        frames = await conn.recv(allocator=allocator)
+        assert [f.ctypes.data for f in frames] == [b.ctypes.data for b in handed_out]
+        assert all(f is b for f, b in zip(frames, handed_out, strict=True))
+        for a, b in zip(frames, sent, strict=True):
+            assert np.array_equal(a, b)
+
+
+async def test_default_frames_are_aligned_writable_uint8(listen_url: str) -> None:
+    if listen_url.startswith("inproc"):
+        pytest.skip("inproc:// passes frames by reference (see its docs)")
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        await conn.send([pattern(12345), pattern(3)])
+        for frame in await conn.recv():
+            assert isinstance(frame, np.ndarray)
+            assert frame.dtype == np.uint8
+            assert frame.flags.writeable
+            assert frame.ctypes.data % 64 == 0
+
+
+async def test_limits_refuse_before_allocating_and_listener_goes_on(listen_url: str) -> None:
+    errors: list[BaseException] = []
+    limits = Limits(max_frame_bytes=4096, max_frames=8, max_message_bytes=10_000)
+
+    async def guarded(conn: Connection) -> None:
+        try:
+            await echo(conn)
+        except LimitExceededError as exc:
+            errors.append(exc)
+
+    config = TransportConfig(limits=limits)
+    async with serving(listen_url, guarded, config) as listener:
+        for bad in ([pattern(5000)], [b"x"] * 9, [pattern(4000)] * 3):
+            conn = await connect(listener.address)
+            await conn.send(bad)
+            with pytest.raises(ConnectionClosedError):
+                await asyncio.wait_for(conn.recv(), 10)
+            conn.abort()
+        async with await connect(listener.address) as good:
+            await good.send([pattern(4000), pattern(4000)])
+            assert len(await good.recv()) == 2
+    assert len(errors) == 3
+    messages = " | ".join(str(e) for e in errors)
+    assert "4096" in messages and "8" in messages and "10000" in messages
+
+
+async def test_connect_to_nothing_fails_clearly(listen_url: str) -> None:
+    async with serving(listen_url) as listener:
+        address = listener.address
+    with pytest.raises(TransportError):
+        await connect(address, config=TransportConfig(connect_timeout=5))
+
+
+async def test_bad_urls() -> None:
+    with pytest.raises(UnsupportedTransportError, match="carrier-pigeon"):
+        await connect("carrier-pigeon://coop:1")
+    with pytest.raises(ConfigError):
+        await connect("127.0.0.1:80")
+    with pytest.raises(ConfigError):
+        await connect("tcp://127.0.0.1")
+    with pytest.raises(ConfigError):
+        await connect("tcp://127.0.0.1:99999")
+
+
+_KILLABLE_PEER = """
+import asyncio, sys
+from tensorwire.transports import connect
+
+async def main():
+    conn = await connect(sys.argv[1])
+    await conn.send([b"connected"])
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+async def test_peer_killed_with_sigkill_is_noticed_within_seconds(listen_url: str) -> None:
+    if listen_url.startswith("inproc"):
+        pytest.skip("inproc:// has no peer process")
+    hello: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+    result: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    async def handler(conn: Connection) -> None:
+        await conn.recv()
+        hello.set_result(conn)
+        try:
+            await conn.recv()
+        except ConnectionClosedError as exc:
+            result.set_result(exc)
+        else:
+            result.set_result(None)
+
+    async with serving(listen_url, handler) as listener:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _KILLABLE_PEER, listener.address],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            await asyncio.wait_for(hello, 60)
+            os.kill(child.pid, signal.SIGKILL)
+            loop = asyncio.get_running_loop()
+            killed_at = loop.time()
+            error = await asyncio.wait_for(result, 10)
+            assert isinstance(error, ConnectionClosedError)
+            assert loop.time() - killed_at < 10
+        finally:
+            child.kill()
+            child.wait()
