@@ -124,7 +124,7 @@ def host_view(frame: Any) -> memoryview:
     if view.f_contiguous:
         # memoryview cannot cast a Fortran-ordered view; NumPy can, still
         # without copying.
-        return memoryview(np.asarray(view).ravel(order="F").view(np.uint8))
+        return np.asarray(view).ravel(order="F").view(np.uint8).data
     raise TransportError("frames must be contiguous buffers")
 
 

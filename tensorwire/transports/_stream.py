@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -47,7 +48,7 @@ def outgoing(frames: Sequence[Any]) -> list[Any]:
 
             sizes.append(device_nbytes(frame))
             devices.append("cuda")
-            views.append(memoryview(device_to_host(frame)))
+            views.append(device_to_host(frame).data)
         else:
             view = host_view(frame)
             sizes.append(view.nbytes)
@@ -143,7 +144,12 @@ class StreamConnection(Connection):
 
     # -- for drivers ---------------------------------------------------------
 
-    async def wait_handshake(self, timeout: float) -> None:
+    @property
+    def failure(self) -> TensorwireError | None:
+        """The error that ended the connection, once it has ended."""
+        return self._error
+
+    async def wait_handshake(self, seconds: float) -> None:
         """Wait for the peer's handshake (already sent by the driver).
 
         Raises:
@@ -151,12 +157,12 @@ class StreamConnection(Connection):
                 or was too slow.
         """
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(seconds):
                 await asyncio.shield(self._handshake)
         except TimeoutError:
             self._fail(ConnectionClosedError("handshake timed out"))
             raise TransportError(
-                f"no tensorwire handshake from {self._peer_address} within {timeout} s"
+                f"no tensorwire handshake from {self._peer_address} within {seconds} s"
             ) from None
 
     def _after_read(self) -> bool:
@@ -206,10 +212,8 @@ class StreamConnection(Connection):
         return closed
 
     def _forget(self, entry: tuple[asyncio.Future[list[Any]], Allocator | None]) -> None:
-        try:
+        with contextlib.suppress(ValueError):
             self._waiters.remove(entry)
-        except ValueError:
-            pass
 
     def _pump(self) -> bool:
         reader = self._reader

@@ -185,7 +185,7 @@ class FrameReader:
                 # in host memory and copy it over once complete.
                 bounce = host_empty(info.nbytes)
                 self._bounce[info.index] = bounce
-                views.append(memoryview(bounce))
+                views.append(bounce.data)
         self._frames = frames
         self._views = views
         self._index = 0

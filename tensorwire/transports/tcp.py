@@ -21,7 +21,7 @@ import errno
 import logging
 import socket
 import ssl
-from typing import Any
+from typing import Any, cast
 
 from ..errors import ConnectionClosedError, TensorwireError, TransportError
 from ._base import Allocator, Connection, ConnectionHandler, Listener
@@ -61,7 +61,7 @@ def _sockname(sock: socket.socket, peer: bool = False) -> str:
 
 
 def _translate(exc: OSError, what: str) -> TransportError:
-    if isinstance(exc, TensorwireError):
+    if isinstance(exc, TransportError):
         return exc
     error = (
         ConnectionClosedError(f"{what}: {exc}")
@@ -212,14 +212,14 @@ class TLSConnection(StreamConnection, asyncio.BufferedProtocol):
         self._reading = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's SSL transport is not an asyncio.Transport subclass.
+        self._transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self._local_address = _sockname(sock)
             self._peer_address = _sockname(sock, peer=True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.write(HANDSHAKE)
+        self._transport.write(HANDSHAKE)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._reader.get_buffer()
@@ -370,7 +370,11 @@ class TCPListener(Listener):
         try:
             await conn.wait_handshake(self._config.handshake_timeout)
         except TensorwireError as exc:
-            logger.warning("dropping connection from %s: %s", conn.peer_address, exc)
+            # Protocol violations were logged where they were found, and a
+            # peer that hung up before its handshake (a port probe) is no
+            # news; what is left is the timeout.
+            if exc is not conn.failure:
+                logger.warning("dropping connection from %s: %s", conn.peer_address, exc)
             conn.abort()
             return
         try:

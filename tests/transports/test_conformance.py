@@ -369,8 +369,11 @@ async def test_peer_killed_with_sigkill_is_noticed_within_seconds(listen_url: st
             result.set_result(None)
 
     async with serving(listen_url, handler) as listener:
-        child = subprocess.Popen(
-            [sys.executable, "-c", _KILLABLE_PEER, listener.address],
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _KILLABLE_PEER,
+            listener.address,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -383,5 +386,6 @@ async def test_peer_killed_with_sigkill_is_noticed_within_seconds(listen_url: st
             assert isinstance(error, ConnectionClosedError)
             assert loop.time() - killed_at < 10
         finally:
-            child.kill()
-            child.wait()
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+            await child.wait()

@@ -1,0 +1,280 @@
+"""tcp://-specific behaviour: hostile bytes, TLS, backpressure, memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import trustme
+
+from tensorwire.errors import ConnectionClosedError, ProtocolError, TransportError
+from tensorwire.transports import Connection, Listener, TransportConfig, connect, listen
+from tensorwire.transports._wire import HANDSHAKE
+
+from .test_conformance import as_bytes, echo, pattern
+
+
+@contextlib.asynccontextmanager
+async def echo_server(config: TransportConfig | None = None) -> AsyncIterator[Listener]:
+    listener = await listen("tcp://127.0.0.1:0", echo, config=config)
+    try:
+        yield listener
+    finally:
+        await listener.close()
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+async def send_raw(address: str, payload: bytes) -> bytes:
+    """Send raw bytes; return what came back before the server hung up."""
+    reader, writer = await asyncio.open_connection(*host_port(address))
+    writer.write(payload)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def assert_still_serving(address: str) -> None:
+    async with await connect(address) as conn:
+        await conn.send([b"still serving"])
+        assert as_bytes((await conn.recv())[0]) == b"still serving"
+
+
+def prelude(kind: int, nframes: int) -> bytes:
+    return struct.pack("<B3xI", kind, nframes)
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "not a tensorwire endpoint"),
+        (b"TWIR\x09\0\0\0", "version 9"),
+        (HANDSHAKE + prelude(7, 0), "unknown message kind 7"),
+        (HANDSHAKE + b"\0\1\0\0\0\0\0\0", "reserved"),
+        (HANDSHAKE + prelude(0, 2**31), "frames exceeds the limit"),
+        (HANDSHAKE + prelude(0, 1) + struct.pack("<Q", 2**62) + b"\0" * 8, "exceeds the limit"),
+        (HANDSHAKE + prelude(0, 1) + struct.pack("<Q", 5) + b"\3" + b"\0" * 7, "device code 3"),
+        (HANDSHAKE + prelude(0, 1) + struct.pack("<Q", 5) + b"\0\1" + b"\0" * 6, "padding"),
+    ],
+    ids=["http", "version", "kind", "reserved", "frame-count", "frame-size", "device", "padding"],
+)
+async def test_hostile_bytes_drop_that_connection_only(
+    payload: bytes, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="tensorwire.transports.tcp")
+    async with echo_server() as listener:
+        await send_raw(listener.address, payload)
+        await assert_still_serving(listener.address)
+    dropped = [r.getMessage() for r in caplog.records if "dropping connection" in r.getMessage()]
+    assert len(dropped) == 1
+    assert reason in dropped[0]
+
+
+async def test_absurd_size_is_refused_before_allocation() -> None:
+    # 2**40 bytes could never be allocated here: if the listener tried, the
+    # test would die with MemoryError instead of seeing the connection close.
+    async with echo_server() as listener:
+        payload = HANDSHAKE + prelude(0, 1) + struct.pack("<Q", 2**40) + b"\0" * 8
+        assert await send_raw(listener.address, payload) == HANDSHAKE
+        await assert_still_serving(listener.address)
+
+
+async def test_silent_peer_is_dropped_after_handshake_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="tensorwire.transports.tcp")
+    config = TransportConfig(handshake_timeout=0.2)
+    async with echo_server(config) as listener:
+        reader, writer = await asyncio.open_connection(*host_port(listener.address))
+        try:
+            assert await asyncio.wait_for(reader.read(), 10) == HANDSHAKE
+        finally:
+            writer.close()
+        await assert_still_serving(listener.address)
+    assert any("handshake" in r.getMessage() for r in caplog.records)
+
+
+async def test_connecting_to_a_non_tensorwire_server_fails_clearly() -> None:
+    async def http_like(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(http_like, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(ProtocolError, match="not a tensorwire endpoint"):
+            await connect(f"tcp://127.0.0.1:{port}")
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_connection_refused_is_a_transport_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(TransportError, match="cannot connect"):
+        await connect(f"tcp://127.0.0.1:{port}")
+
+
+async def test_binding_a_port_in_use_is_a_transport_error() -> None:
+    async with echo_server() as listener:
+        with pytest.raises(TransportError, match="cannot listen"):
+            await listen(listener.address, echo)
+
+
+async def test_slow_consumer_pushes_back_on_its_sender() -> None:
+    release = asyncio.Event()
+    received: list[int] = []
+
+    async def slow(conn: Connection) -> None:
+        await release.wait()
+        with contextlib.suppress(ConnectionClosedError):
+            while True:
+                received.append(len((await conn.recv())[0]))
+
+    config = TransportConfig(socket_sndbuf=1 << 16, socket_rcvbuf=1 << 16)
+    listener = await listen("tcp://127.0.0.1:0", slow, config=config)
+    try:
+        conn = await connect(listener.address, config=config)
+        frame = np.zeros(16 << 20, np.uint8)
+        sender = asyncio.create_task(conn.send([frame]))
+        # The receiver reads nothing, so 16 MiB cannot fit in the socket
+        # buffers: the send must still be waiting, not queued in memory.
+        done, _ = await asyncio.wait([sender], timeout=0.5)
+        assert not done
+        release.set()
+        await asyncio.wait_for(sender, 30)
+        await conn.close()
+    finally:
+        await listener.close()
+    assert received == [16 << 20]
+
+
+async def test_cancelled_send_aborts_the_connection() -> None:
+    release = asyncio.Event()
+
+    async def stalled(conn: Connection) -> None:
+        await release.wait()
+        with contextlib.suppress(ConnectionClosedError):
+            await conn.recv()
+
+    config = TransportConfig(socket_sndbuf=1 << 16, socket_rcvbuf=1 << 16)
+    listener = await listen("tcp://127.0.0.1:0", stalled, config=config)
+    try:
+        conn = await connect(listener.address, config=config)
+        sender = asyncio.create_task(conn.send([np.zeros(16 << 20, np.uint8)]))
+        await asyncio.sleep(0.2)
+        sender.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sender
+        # Half a message went out: the stream is unusable, so it was aborted.
+        assert conn.closed
+        with pytest.raises(ConnectionClosedError):
+            await conn.send([b"x"])
+        release.set()
+    finally:
+        await listener.close()
+
+
+def _tls_configs() -> tuple[TransportConfig, TransportConfig]:
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost", "127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    ca.configure_trust(client_ctx)
+    return (
+        TransportConfig(ssl_server=server_ctx),
+        TransportConfig(ssl_client=client_ctx, ssl_server_hostname="localhost"),
+    )
+
+
+async def test_tls_roundtrip_and_close() -> None:
+    server_config, client_config = _tls_configs()
+    async with echo_server(server_config) as listener:
+        conn = await connect(listener.address, config=client_config)
+        for size in (0, 1, 100_000, 5 << 20):
+            await conn.send([pattern(size, size), b"tail"])
+            body, tail = await conn.recv()
+            assert as_bytes(body) == pattern(size, size).tobytes()
+            assert as_bytes(tail) == b"tail"
+        await conn.close()
+        assert conn.closed
+
+
+async def test_tls_refuses_a_plain_client() -> None:
+    server_config, _ = _tls_configs()
+    async with echo_server(server_config) as listener:
+        with pytest.raises(TransportError):
+            await connect(listener.address, config=TransportConfig(connect_timeout=5))
+
+
+async def test_tls_client_refuses_an_untrusted_server() -> None:
+    server_config, _ = _tls_configs()
+    _, other_client = _tls_configs()
+    async with echo_server(server_config) as listener:
+        with pytest.raises(TransportError):
+            await connect(listener.address, config=other_client)
+
+
+_MEMORY_SENDER = """
+import asyncio, resource, sys
+import numpy as np
+from tensorwire.transports import connect
+
+async def main():
+    frame = np.ones(1 << 30, np.uint8)        # touched: resident before we measure
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    conn = await connect(sys.argv[1])
+    await conn.send([frame])
+    await conn.recv()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    await conn.close()
+    print((after - before) * 1024)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+async def test_sending_1gib_does_not_grow_peak_memory() -> None:
+    target = np.empty(1 << 30, np.uint8)
+    landed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    async def receive(conn: Connection) -> None:
+        (frame,) = await conn.recv(allocator=lambda info: target)
+        landed.set_result(frame)
+        await conn.send([b"ok"])
+        with contextlib.suppress(ConnectionClosedError):
+            await conn.recv()
+
+    async with (await listen("tcp://127.0.0.1:0", receive)) as listener:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _MEMORY_SENDER, listener.address, stdout=subprocess.PIPE
+        )
+        out, _ = await asyncio.wait_for(child.communicate(), 60)
+        assert child.returncode == 0
+    frame = await landed
+    assert frame is target
+    assert target[0] == 1 and target[-1] == 1
+    growth = int(out.decode())
+    assert growth < 64 << 20, f"sender's peak memory grew by {growth} bytes for a 1 GiB frame"

@@ -1,0 +1,149 @@
+"""The sans-IO framing, without sockets: any chunking gives the same messages."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorwire.errors import LimitExceededError, ProtocolError
+from tensorwire.transports import FrameInfo, Limits
+from tensorwire.transports._base import default_allocator
+from tensorwire.transports._wire import (
+    DIRECT_MIN,
+    GOODBYE,
+    HANDSHAKE,
+    FrameReader,
+    Goodbye,
+    pack_header,
+)
+
+
+def stream_of(messages: list[list[bytes]]) -> bytes:
+    out = [HANDSHAKE]
+    for frames in messages:
+        out.append(pack_header([len(f) for f in frames], ["cpu"] * len(frames)))
+        out.extend(frames)
+    return b"".join(out)
+
+
+def feed(reader: FrameReader, data: bytes, chunks: list[int]) -> list[Any]:
+    """Feed ``data`` in pieces of the given sizes (cycled); allocate on demand."""
+    events: list[Any] = []
+    pos, turn = 0, 0
+    while True:
+        while reader.frames_announced is not None:
+            reader.allocate(default_allocator)
+        while reader.events:
+            events.append(reader.events.popleft())
+        if pos == len(data):
+            return events
+        buffer = reader.get_buffer()
+        assert len(buffer) > 0
+        step = min(len(buffer), chunks[turn % len(chunks)], len(data) - pos)
+        turn += 1
+        buffer[:step] = data[pos : pos + step]
+        pos += step
+        reader.buffer_updated(step)
+
+
+frame_sizes = st.one_of(
+    st.integers(0, 300),
+    st.sampled_from([DIRECT_MIN - 1, DIRECT_MIN, DIRECT_MIN + 1, 3 * DIRECT_MIN]),
+)
+messages_st = st.lists(st.lists(frame_sizes, max_size=6), min_size=1, max_size=6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(messages_st, st.lists(st.integers(1, 200_000), min_size=1, max_size=5))
+def test_any_chunking_yields_the_messages(sizes: list[list[int]], chunks: list[int]) -> None:
+    messages = [
+        [bytes([(m + f) % 256]) * size for f, size in enumerate(frame_sizes)]
+        for m, frame_sizes in enumerate(sizes)
+    ]
+    events = feed(FrameReader(Limits()), stream_of(messages), chunks)
+    assert [[bytes(f) for f in e] for e in events] == messages
+
+
+def test_large_frames_are_received_in_place() -> None:
+    reader = FrameReader(Limits())
+    size = 4 * DIRECT_MIN
+    header = HANDSHAKE + pack_header([size], ["cpu"])
+    buffer = reader.get_buffer()
+    buffer[: len(header)] = header
+    reader.buffer_updated(len(header))
+    assert reader.frames_announced == [FrameInfo(0, size, "cpu")]
+    target = np.empty(size, np.uint8)
+    reader.allocate(lambda info: target)
+    view = reader.get_buffer()
+    # The reader hands out the frame's own memory, not a staging buffer.
+    assert np.frombuffer(view, np.uint8).ctypes.data == target.ctypes.data
+    assert len(view) == size
+    view[:] = b"\7" * size
+    reader.buffer_updated(size)
+    (message,) = reader.events
+    assert message[0] is target and target.sum() == 7 * size
+
+
+def test_goodbye_ends_the_stream() -> None:
+    reader = FrameReader(Limits())
+    events = feed(reader, HANDSHAKE + GOODBYE + b"ignored", [100])
+    assert len(events) == 1 and isinstance(events[0], Goodbye)
+    assert not reader.mid_message
+
+
+def test_mid_message_is_reported() -> None:
+    reader = FrameReader(Limits())
+    data = stream_of([[b"abcdef"]])
+    feed(reader, data[:-2], [1000])
+    assert reader.mid_message
+
+
+@pytest.mark.parametrize(
+    ("limits", "sizes", "match"),
+    [
+        (Limits(max_frames=2), [1, 1, 1], "3 frames exceeds the limit of 2"),
+        (Limits(max_frame_bytes=10), [11], "frame of 11 bytes exceeds the limit of 10"),
+        (Limits(max_message_bytes=15), [8, 8], "message of 16 bytes exceeds the limit of 15"),
+    ],
+)
+def test_limits_are_checked_before_allocation(
+    limits: Limits, sizes: list[int], match: str
+) -> None:
+    reader = FrameReader(limits)
+    data = HANDSHAKE + pack_header(sizes, ["cpu"] * len(sizes))
+    buffer = reader.get_buffer()
+    buffer[: len(data)] = data
+    with pytest.raises(LimitExceededError, match=match):
+        reader.buffer_updated(len(data))
+    assert reader.frames_announced is None
+
+
+def test_allocator_must_give_exact_writable_memory() -> None:
+    reader = FrameReader(Limits())
+    data = HANDSHAKE + pack_header([10], ["cpu"])
+    reader.get_buffer()[: len(data)] = data
+    reader.buffer_updated(len(data))
+    with pytest.raises(Exception, match="9 bytes for frame 0 of 10"):
+        reader.allocate(lambda info: np.empty(9, np.uint8))
+    with pytest.raises(Exception, match="read-only"):
+        reader.allocate(lambda info: bytes(10))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_garbage_after_handshake_gives_protocol_errors_only(garbage: bytes) -> None:
+    reader = FrameReader(Limits(max_frame_bytes=1 << 20, max_message_bytes=1 << 20))
+    with contextlib.suppress(ProtocolError, LimitExceededError):
+        feed(reader, HANDSHAKE + garbage, [7, 64])
+
+
+def test_handshake_is_checked() -> None:
+    with pytest.raises(ProtocolError, match="not a tensorwire endpoint"):
+        feed(FrameReader(Limits()), b"SSH-2.0-OpenSSH", [100])
+    with pytest.raises(ProtocolError, match="version 2"):
+        feed(FrameReader(Limits()), b"TWIR\x02\0\0\0", [100])
