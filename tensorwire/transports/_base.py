@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import abc
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -30,8 +29,7 @@ Device = Literal["cpu", "cuda"]
 ALIGNMENT = 64
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class FrameInfo:
+class FrameInfo(NamedTuple):
     """What the receiver knows of a frame before its data lands.
 
     Attributes:
@@ -40,6 +38,8 @@ class FrameInfo:
         device: ``"cpu"`` for host memory, ``"cuda"`` for device memory.
     """
 
+    # A NamedTuple, not a frozen dataclass: one is built per received frame,
+    # and this is three times cheaper.
     index: int
     nbytes: int
     device: Device = "cpu"

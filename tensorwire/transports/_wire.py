@@ -9,6 +9,7 @@ the buffer its allocator handed out. The layout is in docs/protocol.md.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from collections import deque
 from collections.abc import Sequence
@@ -36,9 +37,10 @@ HANDSHAKE = MAGIC + bytes([PROTOCOL_VERSION, 0, 0, 0])
 
 KIND_DATA = 0
 KIND_GOODBYE = 1
-_PRELUDE = struct.Struct("<B3xI")
+#: kind, two reserved fields that must be zero, frame count.
+_PRELUDE = struct.Struct("<BBHI")
 PRELUDE_SIZE = _PRELUDE.size
-GOODBYE = _PRELUDE.pack(KIND_GOODBYE, 0)
+GOODBYE = _PRELUDE.pack(KIND_GOODBYE, 0, 0, 0)
 
 DEVICE_CODES = {"cpu": 0, "cuda": 1}
 _DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
@@ -69,12 +71,19 @@ def _table_size(nframes: int) -> int:
     return 8 * nframes + (nframes + 7) // 8 * 8
 
 
+@functools.lru_cache(maxsize=256)
+def _sizes_struct(nframes: int) -> struct.Struct:
+    return struct.Struct(f"<{nframes}Q")
+
+
 def pack_header(sizes: Sequence[int], devices: Sequence[str]) -> bytes:
     """The prelude and frame table that precede a message's frames."""
     n = len(sizes)
-    codes = bytes(DEVICE_CODES[d] for d in devices)
-    pad = b"\0" * (-n % 8)
-    return _PRELUDE.pack(KIND_DATA, n) + struct.pack(f"<{n}Q", *sizes) + codes + pad
+    if all(d == "cpu" for d in devices):
+        codes = bytes(n + (-n % 8))
+    else:
+        codes = bytes(DEVICE_CODES[d] for d in devices) + bytes(-n % 8)
+    return _PRELUDE.pack(KIND_DATA, 0, 0, n) + _sizes_struct(n).pack(*sizes) + codes
 
 
 class Goodbye:
@@ -119,6 +128,7 @@ class FrameReader:
         self._target: memoryview | None = None
         self._pos = 0
         self._infos: list[FrameInfo] = []
+        self._announced = 0
         self._frames: list[Any] = []
         self._views: list[memoryview] = []
         self._bounce: dict[int, Any] = {}
@@ -219,25 +229,30 @@ class FrameReader:
             assert self._target is not None
             table = self._target
             self._target = None
-            self._parse_table(table)
+            self._parse_table(table, self._announced)
         else:
             self._index += 1
             self._target = None
             self._next_frame()
 
-    def _parse_table(self, table: memoryview) -> None:
-        n = len(self._infos)
-        sizes = struct.unpack_from(f"<{n}Q", table)
-        codes = table[8 * n : 9 * n]
-        if any(table[9 * n :]):
-            raise ProtocolError("nonzero padding in frame table")
+    def _parse_table(self, table: memoryview, nframes: int) -> None:
+        n = nframes
+        sizes = _sizes_struct(n).unpack_from(table)
+        codes = bytes(table[8 * n : _table_size(n)])
+        if codes.count(0) != len(codes):
+            if any(codes[n:]):
+                raise ProtocolError("nonzero padding in frame table")
+            for index, code in enumerate(codes[:n]):
+                if code >= len(_DEVICE_NAMES):
+                    raise ProtocolError(f"unknown device code {code} for frame {index}")
         check_limits(sizes, self.limits)
-        infos = []
-        for index, (size, code) in enumerate(zip(sizes, codes, strict=True)):
-            if code >= len(_DEVICE_NAMES):
-                raise ProtocolError(f"unknown device code {code} for frame {index}")
-            infos.append(FrameInfo(index, size, _DEVICE_NAMES[code]))
-        self._infos = infos
+        if codes[:n].count(0) == n:
+            self._infos = [FrameInfo(i, size) for i, size in enumerate(sizes)]
+        else:
+            self._infos = [
+                FrameInfo(i, size, _DEVICE_NAMES[code])
+                for i, (size, code) in enumerate(zip(sizes, codes, strict=False))
+            ]
         self._state = _State.ALLOCATE
 
     def _process(self) -> None:
@@ -260,8 +275,8 @@ class FrameReader:
             if state is _State.PRELUDE:
                 if avail < PRELUDE_SIZE:
                     return
-                kind, nframes = _PRELUDE.unpack_from(staging, self._start)
-                if bytes(staging[self._start + 1 : self._start + 4]) != b"\0\0\0":
+                kind, reserved1, reserved2, nframes = _PRELUDE.unpack_from(staging, self._start)
+                if reserved1 or reserved2:
                     raise ProtocolError("nonzero reserved bytes in message prelude")
                 self._start += PRELUDE_SIZE
                 if kind == KIND_GOODBYE:
@@ -274,8 +289,15 @@ class FrameReader:
                     self.events.append([])
                     continue
                 check_frame_count(nframes, self.limits)
-                self._infos = [FrameInfo(0, 0)] * nframes
-                self._target = memoryview(bytearray(_table_size(nframes)))
+                self._announced = nframes
+                size = _table_size(nframes)
+                if avail - PRELUDE_SIZE >= size:
+                    # The common case: the whole table is already here.
+                    table = staging[self._start : self._start + size]
+                    self._start += size
+                    self._parse_table(table, nframes)
+                    return
+                self._target = memoryview(bytearray(size))
                 self._pos = 0
                 self._state = _State.TABLE
             elif state is _State.HANDSHAKE:
