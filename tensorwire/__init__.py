@@ -4,8 +4,22 @@
 torch are imported when an address or a tensor needs them.
 """
 
-from . import errors, serde, transports
+from . import errors, rpc, serde, transports
 from ._version import __version__
-from .errors import TensorwireError
+from .errors import RemoteError, TensorwireError
+from .rpc import Client, ClientConfig, Server, ServerConfig, connect
 
-__all__ = ("TensorwireError", "__version__", "errors", "serde", "transports")
+__all__ = (
+    "Client",
+    "ClientConfig",
+    "RemoteError",
+    "Server",
+    "ServerConfig",
+    "TensorwireError",
+    "__version__",
+    "connect",
+    "errors",
+    "rpc",
+    "serde",
+    "transports",
+)

@@ -12,18 +12,36 @@ that arrived are not a valid message.
 
 from __future__ import annotations
 
+import enum
+
 __all__ = (
+    "Aborted",
+    "AlreadyExists",
+    "CallCancelled",
     "ConfigError",
     "ConnectionClosedError",
+    "DataLoss",
     "DeadlineExceeded",
     "DecodeError",
     "EncodeError",
+    "FailedPrecondition",
+    "Internal",
+    "InvalidArgument",
     "LimitExceededError",
+    "NotFound",
+    "OutOfRange",
+    "PermissionDenied",
     "ProtocolError",
     "RemoteError",
+    "ResourceExhausted",
     "SerdeError",
+    "Status",
     "TensorwireError",
     "TransportError",
+    "Unauthenticated",
+    "Unavailable",
+    "Unimplemented",
+    "UnknownError",
     "UnsupportedTransportError",
 )
 
@@ -77,15 +95,183 @@ class ProtocolError(TensorwireError):
     """The peer broke the wire protocol (bad prefix, version, framing)."""
 
 
-class DeadlineExceeded(TensorwireError, TimeoutError):
-    """An operation did not finish before its deadline."""
+class Status(enum.IntEnum):
+    """Why a call failed; the numbers are gRPC's, so they read the same."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class RemoteError(TensorwireError):
-    """A remote handler raised; carries the remote type, message and traceback."""
+    """A call failed; ``status`` says why.
 
-    def __init__(self, type_name: str, message: str, traceback: str = "") -> None:
-        super().__init__(f"{type_name}: {message}")
-        self.type_name = type_name
+    Raised on the client for every failed call. The subclass matches the
+    status (``NotFound``, ``Unavailable``, ...). When the server's handler
+    raised, ``type_name`` is the remote exception's type, ``message`` its
+    text and ``remote_traceback`` its formatted traceback.
+
+    A handler raises one of these classes itself to choose the status its
+    caller sees: ``raise NotFound(f"no key {key!r}")``.
+    """
+
+    status: Status = Status.UNKNOWN
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        type_name: str | None = None,
+        remote_traceback: str = "",
+    ) -> None:
+        super().__init__(message)
         self.message = message
-        self.remote_traceback = traceback
+        self.type_name = type_name or type(self).__name__
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        text = f"[{self.status.name}] {self.message}"
+        if self.type_name != type(self).__name__:
+            text += f" (remote {self.type_name})"
+        return text
+
+    @staticmethod
+    def for_status(status: Status | int) -> type[RemoteError]:
+        """The RemoteError subclass that stands for ``status``."""
+        try:
+            return _BY_STATUS[Status(status)]
+        except (ValueError, KeyError):
+            return UnknownError
+
+
+class CallCancelled(RemoteError):
+    """The call was cancelled (by the caller, or the server shut down)."""
+
+    status = Status.CANCELLED
+
+
+class UnknownError(RemoteError):
+    """The peer reported a status this side does not know."""
+
+    status = Status.UNKNOWN
+
+
+class InvalidArgument(RemoteError, ValueError):
+    """Arguments that do not fit the method, or frames that do not decode."""
+
+    status = Status.INVALID_ARGUMENT
+
+
+class DeadlineExceeded(RemoteError, TimeoutError):
+    """The call's deadline passed before it finished."""
+
+    status = Status.DEADLINE_EXCEEDED
+
+
+class NotFound(RemoteError, LookupError):
+    """Unknown service or method, or a handler's own "no such thing"."""
+
+    status = Status.NOT_FOUND
+
+
+class AlreadyExists(RemoteError):
+    """What the call would create exists already."""
+
+    status = Status.ALREADY_EXISTS
+
+
+class PermissionDenied(RemoteError):
+    """The caller may not do this."""
+
+    status = Status.PERMISSION_DENIED
+
+
+class ResourceExhausted(RemoteError):
+    """A limit was hit: concurrent calls, message size, memory."""
+
+    status = Status.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(RemoteError):
+    """The system is not in a state where the call can run."""
+
+    status = Status.FAILED_PRECONDITION
+
+
+class Aborted(RemoteError):
+    """The call was aborted, typically by a concurrency conflict."""
+
+    status = Status.ABORTED
+
+
+class OutOfRange(RemoteError):
+    """An argument is past the valid range."""
+
+    status = Status.OUT_OF_RANGE
+
+
+class Unimplemented(RemoteError):
+    """The method exists but this server does not implement it."""
+
+    status = Status.UNIMPLEMENTED
+
+
+class Internal(RemoteError):
+    """The handler raised something that is not a RemoteError (a bug)."""
+
+    status = Status.INTERNAL
+
+
+class Unavailable(RemoteError, ConnectionError):
+    """The peer cannot be reached, went silent or went away."""
+
+    status = Status.UNAVAILABLE
+
+
+class DataLoss(RemoteError):
+    """Unrecoverable data loss or corruption."""
+
+    status = Status.DATA_LOSS
+
+
+class Unauthenticated(RemoteError):
+    """The peer did not prove it knows the shared secret."""
+
+    status = Status.UNAUTHENTICATED
+
+
+_BY_STATUS: dict[Status, type[RemoteError]] = {
+    cls.status: cls
+    for cls in (
+        CallCancelled,
+        UnknownError,
+        InvalidArgument,
+        DeadlineExceeded,
+        NotFound,
+        AlreadyExists,
+        PermissionDenied,
+        ResourceExhausted,
+        FailedPrecondition,
+        Aborted,
+        OutOfRange,
+        Unimplemented,
+        Internal,
+        Unavailable,
+        DataLoss,
+        Unauthenticated,
+    )
+}

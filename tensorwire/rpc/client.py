@@ -1,0 +1,535 @@
+"""The RPC client: calls over one multiplexed connection, with typed proxies."""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator
+from typing import Any, TypeVar, cast
+
+from .. import serde
+from ..errors import (
+    DeadlineExceeded,
+    ProtocolError,
+    RemoteError,
+    TensorwireError,
+    TransportError,
+    Unavailable,
+)
+from ..transports import connect as transport_connect
+from . import protocol
+from ._channel import Channel
+from ._metrics import Metrics
+from .config import ClientConfig
+from .service import describe, service_name
+
+__all__ = ("Client", "connect")
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S")
+
+
+def connect(address: str, *, config: ClientConfig | None = None, **options: Any) -> Client:
+    """A client for the server at ``address``.
+
+    Use it as ``async with connect(url) as client:`` or
+    ``client = await connect(url)``; keyword options build the
+    :class:`ClientConfig` (``timeout=5``, ``secret=b"..."``).
+    """
+    if options:
+        base = config or ClientConfig()
+        config = type(base)(**{**_fields(base), **options})
+    return Client(address, config=config)
+
+
+def _fields(config: ClientConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+class _Pending:
+    """A call in flight: its future, or for streams a queue of messages."""
+
+    __slots__ = ("credit", "credit_event", "future", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, streaming: bool) -> None:
+        self.future: asyncio.Future[protocol.Message] = loop.create_future()
+        self.items: deque[protocol.Message] | None = deque() if streaming else None
+        self.waiter: asyncio.Future[None] | None = None
+        self.credit = 0
+        self.credit_event: asyncio.Event | None = None
+
+    def deliver(self, message: protocol.Message) -> None:
+        if self.items is None or isinstance(message, protocol.Response):
+            if not self.future.done():
+                self.future.set_result(message)
+            return
+        self.items.append(message)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+            self.future.exception()  # retrieved: a stream may never look at it
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(error)
+
+    def grant(self, count: int) -> None:
+        self.credit += max(0, count)
+        if self.credit_event is not None:
+            self.credit_event.set()
+
+
+class _Session:
+    """One connection of a client."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.pending: dict[int, _Pending] = {}
+        self.ids = itertools.count(1)
+        self.channel: Channel | None = None
+        self.slots = asyncio.Semaphore(1)
+        self.error: TensorwireError | None = None
+
+    async def open(self) -> None:
+        config = self.client.config
+        conn = await transport_connect(self.client.address, config=config.transport)
+        try:
+            shake = protocol.ClientHandshake(secret=config.secret, name=config.name)
+            async with asyncio.timeout(config.connect_timeout):
+                await conn.send(protocol.encode(shake.start()))
+                while not shake.done:
+                    reply = shake.receive(protocol.parse(await conn.recv()))
+                    if reply is not None:
+                        await conn.send(protocol.encode(reply))
+        except TimeoutError:
+            conn.abort()
+            raise Unavailable(f"handshake with {self.client.address} timed out") from None
+        except BaseException:
+            conn.abort()
+            raise
+        self.slots = asyncio.Semaphore(shake.max_concurrent or 1)
+        self.channel = Channel(
+            conn,
+            self._on_message,
+            self._on_close,
+            heartbeat_timeout=config.heartbeat_timeout,
+            ping_interval=config.heartbeat_interval,
+        )
+        self.channel.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.channel is not None and not self.channel.closed
+
+    def _on_message(self, message: protocol.Message, nbytes: int) -> None:
+        if isinstance(message, protocol.Pong):
+            return
+        if not isinstance(
+            message,
+            protocol.Response | protocol.Error | protocol.Item | protocol.End | protocol.Credit,
+        ):
+            raise ProtocolError(f"a server may not send {message.kind.name}")
+        pending = self.pending.get(message.call_id)
+        if pending is None:
+            return  # the call ended already (cancelled, timed out)
+        if isinstance(message, protocol.Credit):
+            pending.grant(message.count)
+            return
+        self.client._metrics_for(message.call_id, nbytes)
+        pending.deliver(message)
+
+    def _on_close(self, error: TensorwireError) -> None:
+        self.error = error
+        lost = error if isinstance(error, Unavailable) else Unavailable(
+            f"connection to {self.client.address} lost: {error}"
+        )
+        for pending in list(self.pending.values()):
+            pending.fail(lost)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+
+class Client:
+    """Calls methods on one server; many calls share one connection.
+
+    Reconnects on the next call after the connection is lost; calls to
+    methods marked ``idempotent`` are retried once after a reconnect.
+    """
+
+    def __init__(self, address: str, *, config: ClientConfig | None = None) -> None:
+        self.address = address
+        self.config = config or ClientConfig()
+        self._session: _Session | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._failures = 0
+        self._next_attempt = 0.0
+        self._metrics = Metrics()
+        self._call_names: dict[int, str] = {}
+        self._closed = False
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- lifetime ------------------------------------------------------------
+
+    async def connect(self) -> Client:
+        """Connect now (calls connect on demand anyway).
+
+        Raises:
+            Unavailable: the server cannot be reached.
+            Unauthenticated: the server refused our secret.
+            ProtocolError: the server speaks another protocol version.
+        """
+        await self._ready()
+        return self
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        return self.connect().__await__()
+
+    async def __aenter__(self) -> Client:
+        return await self.connect()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection; calls in flight fail with ``Unavailable``."""
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """Per-method calls, errors, bytes in and out, latency p50/p90/p99 (s)."""
+        return self._metrics.snapshot()
+
+    async def _ready(self) -> _Session:
+        if self._closed:
+            raise Unavailable("the client is closed")
+        session = self._session
+        if session is not None and session.alive:
+            return session
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            session = self._session
+            if session is not None and session.alive:
+                return session
+            return await self._reconnect()
+
+    async def _reconnect(self) -> _Session:
+        config = self.config
+        last: BaseException | None = None
+        for _ in range(config.reconnect_attempts):
+            delay = self._next_attempt - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            session = _Session(self)
+            try:
+                async with asyncio.timeout(config.connect_timeout):
+                    await session.open()
+            except (TransportError, Unavailable, TimeoutError) as exc:
+                last = exc
+                self._failures += 1
+                backoff = config.reconnect_backoff * 2 ** (self._failures - 1)
+                self._next_attempt = time.monotonic() + min(backoff, config.reconnect_backoff_max)
+                logger.debug("connecting to %s failed: %s", self.address, exc)
+                continue
+            self._failures = 0
+            self._next_attempt = 0.0
+            self._session = session
+            return session
+        raise Unavailable(f"cannot reach {self.address}: {last}") from last
+
+    # -- calls ---------------------------------------------------------------
+
+    async def call(
+        self, method: str, /, *args: Any, timeout: float | None = None,
+        idempotent: bool = False, **kwargs: Any,
+    ) -> Any:
+        """Call ``"Service.method"`` and return its result.
+
+        One argument may be an async iterable: its items stream to the
+        server, which receives an async iterator in that place.
+
+        Raises:
+            RemoteError: a subclass naming the status (``NotFound``,
+                ``InvalidArgument``, ``DeadlineExceeded``, ``Unavailable``,
+                ``Internal`` with the remote traceback, ...).
+            EncodeError: an argument cannot be encoded.
+        """
+        deadline = self._deadline(timeout)
+        try:
+            return await self._call_once(method, args, kwargs, deadline)
+        except Unavailable:
+            if not idempotent or _aiter_index(args) >= 0:
+                raise
+            logger.info("retrying idempotent %s after losing the connection", method)
+            return await self._call_once(method, args, kwargs, deadline)
+
+    def _deadline(self, timeout: float | None) -> float:
+        return asyncio.get_running_loop().time() + (
+            self.config.timeout if timeout is None else timeout
+        )
+
+    async def _call_once(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
+    ) -> Any:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        session = await self._ready()
+        args, source, stream_arg = _split_stream(args)
+        payload = _encode([args, kwargs])
+        metrics = self._metrics[method]
+        error = True
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with session.slots:
+                    call_id, pending = self._register(session, method, streaming=False)
+                    pump: asyncio.Task[None] | None = None
+                    try:
+                        remaining = max(deadline - loop.time(), 0.0)
+                        metrics.bytes_out += await _channel(session).send(
+                            protocol.Request(call_id, method, remaining, stream_arg, payload)
+                        )
+                        if source is not None:
+                            pending.credit_event = asyncio.Event()
+                            pump = loop.create_task(self._pump(session, call_id, pending, source))
+                        message = await pending.future
+                    except BaseException:
+                        self._cancel_remote(session, call_id)
+                        raise
+                    finally:
+                        self._unregister(session, call_id)
+                        await _stop(pump)
+            result = _result(message, method)
+            error = False
+            return result
+        except TimeoutError:
+            raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
+        finally:
+            metrics.observe(time.perf_counter() - started, error=error)
+
+    def stream(
+        self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """Call a streaming method; iterate over what it yields.
+
+        The server sends at most ``config.stream_window`` items ahead of what
+        this iterator has consumed. Leaving the loop early cancels the call.
+        """
+        return self._stream(method, args, kwargs, self._deadline(timeout))
+
+    async def _stream(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
+    ) -> AsyncIterator[Any]:
+        session = await self._ready()
+        args, source, stream_arg = _split_stream(args)
+        payload = _encode([args, kwargs])
+        window = self.config.stream_window
+        metrics = self._metrics[method]
+        started = time.perf_counter()
+        error = True
+        loop = asyncio.get_running_loop()
+        finished = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with session.slots:
+                    call_id, pending = self._register(session, method, streaming=True)
+                    pump: asyncio.Task[None] | None = None
+                    try:
+                        channel = _channel(session)
+                        remaining = max(deadline - loop.time(), 0.0)
+                        metrics.bytes_out += await channel.send(
+                            protocol.Request(call_id, method, remaining, stream_arg, payload)
+                        )
+                        channel.send_soon(protocol.Credit(call_id, window))
+                        if source is not None:
+                            pending.credit_event = asyncio.Event()
+                            pump = loop.create_task(self._pump(session, call_id, pending, source))
+                        consumed = 0
+                        assert pending.items is not None
+                        while True:
+                            while not pending.items:
+                                if pending.future.done():
+                                    pending.future.result()  # raises the connection error
+                                pending.waiter = loop.create_future()
+                                await pending.waiter
+                            message = pending.items.popleft()
+                            if isinstance(message, protocol.End):
+                                finished = True
+                                break
+                            if isinstance(message, protocol.Error):
+                                finished = True
+                                raise _remote(message)
+                            assert isinstance(message, protocol.Item)
+                            consumed += 1
+                            if consumed >= max(1, window // 2):
+                                channel.send_soon(protocol.Credit(call_id, consumed))
+                                consumed = 0
+                            yield _decode(message.value, method)
+                    finally:
+                        if not finished:
+                            self._cancel_remote(session, call_id)
+                        self._unregister(session, call_id)
+                        await _stop(pump)
+            error = False
+        except TimeoutError:
+            raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
+        finally:
+            metrics.observe(time.perf_counter() - started, error=error)
+
+    async def _pump(
+        self, session: _Session, call_id: int, pending: _Pending, source: AsyncIterable[Any]
+    ) -> None:
+        channel = _channel(session)
+        event = pending.credit_event
+        assert event is not None
+        try:
+            async for item in source:
+                while pending.credit <= 0:
+                    event.clear()
+                    await event.wait()
+                pending.credit -= 1
+                await channel.send(protocol.Item(call_id, _encode(item)))
+            await channel.send(protocol.End(call_id))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # The caller's iterable failed: end the call with that error.
+            pending.fail(exc)
+
+    def _register(self, session: _Session, method: str, *, streaming: bool) -> tuple[int, _Pending]:
+        if session.error is not None:
+            raise Unavailable(f"connection to {self.address} lost: {session.error}")
+        call_id = next(session.ids)
+        pending = _Pending(asyncio.get_running_loop(), streaming)
+        session.pending[call_id] = pending
+        self._call_names[call_id] = method
+        return call_id, pending
+
+    def _unregister(self, session: _Session, call_id: int) -> None:
+        session.pending.pop(call_id, None)
+        self._call_names.pop(call_id, None)
+
+    def _cancel_remote(self, session: _Session, call_id: int) -> None:
+        channel = session.channel
+        if channel is not None and call_id in session.pending:
+            channel.send_soon(protocol.Cancel(call_id))
+
+    def _metrics_for(self, call_id: int, nbytes: int) -> None:
+        name = self._call_names.get(call_id)
+        if name is not None:
+            self._metrics[name].bytes_in += nbytes
+
+    # -- proxies and introspection ----------------------------------------------
+
+    def proxy(self, cls: type[S], *, timeout: float | None = None) -> S:
+        """A typed stand-in for ``cls`` whose methods call the server.
+
+        Unary methods return awaitables, streaming methods async iterators.
+        """
+        return cast(S, _Proxy(self, cls, timeout))
+
+    async def services(self) -> list[dict[str, Any]]:
+        """What the server hosts: services, methods, signatures, docstrings."""
+        result: list[dict[str, Any]] = await self.call(
+            "tensorwire.Reflection.services", idempotent=True
+        )
+        return result
+
+
+class _Proxy:
+    def __init__(self, client: Client, cls: type, timeout: float | None) -> None:
+        self._client = client
+        self._name = service_name(cls)
+        self._methods = {attr: info for _, (attr, info) in describe(cls).items()}
+        self._timeout = timeout
+
+    def __getattr__(self, attr: str) -> Callable[..., Any]:
+        info = self._methods.get(attr)
+        if info is None:
+            raise AttributeError(f"{self._name} has no remote method {attr!r}")
+        full = f"{self._name}.{info.name}"
+        client, timeout = self._client, self._timeout
+        if info.streaming:
+
+            def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                return client.stream(full, *args, timeout=timeout, **kwargs)
+
+            stream.__doc__ = info.doc
+            return stream
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await client.call(full, *args, timeout=timeout,
+                                     idempotent=info.idempotent, **kwargs)
+
+        call.__doc__ = info.doc
+        return call
+
+    def __repr__(self) -> str:
+        return f"<proxy {self._name} at {self._client.address}>"
+
+
+def _channel(session: _Session) -> Channel:
+    channel = session.channel
+    if channel is None:
+        raise Unavailable("not connected")
+    return channel
+
+
+async def _stop(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _split_stream(
+    args: tuple[Any, ...],
+) -> tuple[tuple[Any, ...], AsyncIterable[Any] | None, int]:
+    """Take the async-iterable argument (if any) out of ``args``."""
+    index = _aiter_index(args)
+    if index < 0:
+        return args, None, -1
+    return args[:index] + args[index + 1 :], args[index], index
+
+
+def _aiter_index(args: tuple[Any, ...]) -> int:
+    for index, arg in enumerate(args):
+        if isinstance(arg, collections.abc.AsyncIterable):
+            return index
+    return -1
+
+
+def _encode(value: Any) -> list[Any]:
+    header, buffers = serde.encode(value)
+    return [header, *buffers]
+
+
+def _decode(frames: list[Any], method: str) -> Any:
+    return serde.decode(frames[0], frames[1:])
+
+
+def _remote(message: protocol.Error) -> RemoteError:
+    cls = RemoteError.for_status(message.status)
+    return cls(message.message, type_name=message.type_name,
+               remote_traceback=message.traceback)
+
+
+def _result(message: protocol.Message, method: str) -> Any:
+    if isinstance(message, protocol.Error):
+        raise _remote(message)
+    if isinstance(message, protocol.Response):
+        return _decode(message.value, method)
+    raise ProtocolError(f"unexpected {message.kind.name} for unary call {method}")

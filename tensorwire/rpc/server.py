@@ -1,0 +1,483 @@
+"""The RPC server: hosts services on any number of addresses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from .. import serde
+from ..errors import (
+    ConfigError,
+    ConnectionClosedError,
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ProtocolError,
+    RemoteError,
+    ResourceExhausted,
+    Status,
+    TensorwireError,
+    Unavailable,
+)
+from ..transports import Connection, Listener, listen
+from . import protocol
+from ._channel import Channel
+from ._metrics import MethodMetrics, Metrics
+from .config import ServerConfig
+from .service import MethodInfo, Service, describe, method, service_name, signature_text
+
+__all__ = ("Reflection", "Server")
+
+logger = logging.getLogger(__name__)
+
+
+class Reflection(Service):
+    """Built into every server: what it hosts."""
+
+    service_name = "tensorwire.Reflection"
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    @method(idempotent=True)
+    async def services(self) -> list[dict[str, Any]]:
+        """Every hosted service with its methods, signatures and docstrings."""
+        return self._server.describe()
+
+
+class _Handler:
+    __slots__ = ("func", "info", "metrics", "name")
+
+    def __init__(self, name: str, func: Callable[..., Any], info: MethodInfo,
+                 metrics: MethodMetrics) -> None:
+        self.name = name
+        self.func = func
+        self.info = info
+        self.metrics = metrics
+
+
+class Server:
+    """Hosts services; ``start()`` it on one or more addresses.
+
+    Example::
+
+        server = Server([Store()])
+        await server.start("tcp://0.0.0.0:0", "ucx://0.0.0.0:0")
+        print(server.addresses)
+    """
+
+    def __init__(self, services: Iterable[Service], *, config: ServerConfig | None = None) -> None:
+        """Raises ConfigError when two services share a name or a service has no methods."""
+        self.config = config or ServerConfig()
+        self._metrics = Metrics()
+        self._handlers: dict[str, _Handler] = {}
+        self._services: dict[str, Service] = {}
+        for service in [*services, Reflection(self)]:
+            self._add(service)
+        self._listeners: list[Listener] = []
+        self._sessions: set[_Session] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._closing = False
+        self._closed: asyncio.Event | None = None
+
+    def _add(self, service: Service) -> None:
+        name = service_name(type(service))
+        if name in self._services:
+            raise ConfigError(f"two services are named {name!r}")
+        methods = describe(type(service))
+        if not methods:
+            raise ConfigError(f"service {name!r} has no @rpc.method methods")
+        self._services[name] = service
+        for remote, (attr, info) in methods.items():
+            full = f"{name}.{remote}"
+            self._handlers[full] = _Handler(full, getattr(service, attr), info,
+                                            self._metrics[full])
+
+    @property
+    def addresses(self) -> list[str]:
+        """The addresses the server really listens on, in ``start()`` order."""
+        return [listener.address for listener in self._listeners]
+
+    async def start(self, *urls: str) -> list[str]:
+        """Listen on each URL (``tcp://0.0.0.0:0`` takes a free port).
+
+        Returns the real addresses. Raises TransportError when an address
+        cannot be bound (the others stay open).
+        """
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.max_concurrent)
+            self._closed = asyncio.Event()
+        started = []
+        for url in urls:
+            listener = await listen(url, self._serve, config=self.config.transport)
+            self._listeners.append(listener)
+            started.append(listener.address)
+            logger.info("serving %s on %s", ", ".join(self._services), listener.address)
+        return started
+
+    async def serve_forever(self) -> None:
+        """Wait until ``close()``."""
+        assert self._closed is not None, "start() the server first"
+        await self._closed.wait()
+
+    async def close(self, grace: float | None = None) -> None:
+        """Refuse new calls, let calls in flight finish for ``grace`` seconds
+        (default: ``config.shutdown_grace``), then cancel the rest and close."""
+        if self._closing:
+            return
+        self._closing = True
+        grace = self.config.shutdown_grace if grace is None else grace
+        sessions = list(self._sessions)
+        for session in sessions:
+            session.stop_new_calls()
+        running = [task for s in sessions for task in s.call_tasks()]
+        if running:
+            await asyncio.wait(running, timeout=grace)
+        await asyncio.gather(*(listener.close() for listener in self._listeners))
+        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+        if self._closed is not None:
+            self._closed.set()
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """Per-method calls, errors, bytes in and out, latency p50/p90/p99 (s)."""
+        return self._metrics.snapshot()
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The hosted services, their methods, signatures and docstrings."""
+        out = []
+        for name, service in self._services.items():
+            methods = [
+                {
+                    "name": remote,
+                    "signature": signature_text(info.signature),
+                    "streaming": info.streaming,
+                    "idempotent": info.idempotent,
+                    "doc": info.doc,
+                }
+                for remote, (_, info) in describe(type(service)).items()
+            ]
+            # The class's own docstring only, not one inherited from Service.
+            doc = inspect.cleandoc(vars(type(service)).get("__doc__") or "")
+            out.append({"name": name, "doc": doc, "methods": methods})
+        return out
+
+    # -- connections ---------------------------------------------------------
+
+    async def _serve(self, conn: Connection) -> None:
+        try:
+            name = await asyncio.wait_for(self._handshake(conn), self.config.heartbeat_timeout)
+        except (TimeoutError, TensorwireError) as exc:
+            if not isinstance(exc, ConnectionClosedError):
+                logger.warning("handshake with %s failed: %s", conn.peer_address, exc or "timeout")
+            conn.abort()
+            return
+        if name is None:
+            return
+        session = _Session(self, conn, name)
+        self._sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self._sessions.discard(session)
+
+    async def _handshake(self, conn: Connection) -> str | None:
+        shake = protocol.ServerHandshake(
+            secret=self.config.secret,
+            max_concurrent=self.config.max_concurrent_per_connection,
+        )
+        while not shake.done:
+            message = protocol.parse(await conn.recv())
+            reply = shake.receive(message)
+            if self._closing:
+                reply = protocol.Reject(0, Status.UNAVAILABLE, "the server is shutting down")
+            await conn.send(protocol.encode(reply))
+            if isinstance(reply, protocol.Reject):
+                logger.warning("refused %s: %s", conn.peer_address, reply.message)
+                await conn.close()
+                return None
+        return shake.client_name
+
+    def _handler(self, name: str) -> _Handler:
+        handler = self._handlers.get(name)
+        if handler is None:
+            service, _, method_name = name.rpartition(".")
+            if service in self._services:
+                raise NotFound(f"service {service!r} has no method {method_name!r}")
+            raise NotFound(f"no service {service or name!r} on this server")
+        return handler
+
+
+class _Session:
+    """One client connection on the server."""
+
+    def __init__(self, server: Server, conn: Connection, client_name: str) -> None:
+        self.server = server
+        self.client_name = client_name
+        self.channel = Channel(conn, self._on_message, self._on_close,
+                               heartbeat_timeout=server.config.heartbeat_timeout)
+        self.calls: dict[int, _Call] = {}
+        self._accepting = True
+        self._done = asyncio.Event()
+
+    async def run(self) -> None:
+        self.channel.start()
+        try:
+            await self._done.wait()
+        finally:
+            for call in list(self.calls.values()):
+                call.task.cancel()
+            await asyncio.gather(*(c.task for c in list(self.calls.values())),
+                                 return_exceptions=True)
+            await self.channel.close()
+
+    def stop_new_calls(self) -> None:
+        self._accepting = False
+
+    def call_tasks(self) -> list[asyncio.Task[None]]:
+        return [call.task for call in self.calls.values()]
+
+    async def close(self) -> None:
+        self._done.set()
+        await self.channel.close()
+
+    def _on_close(self, error: TensorwireError) -> None:
+        self._done.set()
+
+    def _on_message(self, message: protocol.Message, nbytes: int) -> None:
+        if isinstance(message, protocol.Request):
+            self._start(message, nbytes)
+            return
+        call = self.calls.get(message.call_id)
+        if isinstance(message, protocol.Ping):
+            self.channel.send_soon(protocol.Pong(0))
+        elif isinstance(message, protocol.Cancel):
+            if call is not None:
+                call.task.cancel()
+        elif isinstance(message, protocol.Item | protocol.End):
+            # Late items for a call that already ended are dropped.
+            if call is not None and call.instream is not None:
+                call.count_in(nbytes)
+                call.instream.feed(message)
+        elif isinstance(message, protocol.Credit):
+            if call is not None:
+                call.grant(message.count)
+        else:
+            raise ProtocolError(f"a client may not send {message.kind.name}")
+
+    def _start(self, request: protocol.Request, nbytes: int) -> None:
+        call_id = request.call_id
+        if call_id in self.calls:
+            raise ProtocolError(f"call id {call_id} is already in use")
+        limit = self.server.config.max_concurrent_per_connection
+        if not self._accepting:
+            error: RemoteError | None = Unavailable("the server is shutting down")
+        elif len(self.calls) >= limit:
+            error = ResourceExhausted(f"more than {limit} calls in flight on one connection")
+        else:
+            error = None
+        if error is not None:
+            self.channel.send_soon(_error_message(call_id, error))
+            return
+        call = _Call(self, request, nbytes)
+        self.calls[call_id] = call
+        call.task.add_done_callback(lambda _: self.calls.pop(call_id, None))
+
+
+class _InStream:
+    """The async iterator a handler gets for a client-streamed argument."""
+
+    def __init__(self, call: _Call, window: int) -> None:
+        self._call = call
+        self.window = window
+        self._items: deque[protocol.Message] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._consumed = 0
+        self._ended = False
+
+    def feed(self, message: protocol.Message) -> None:
+        if len(self._items) > self.window:
+            self._call.session.channel.close_with(
+                ProtocolError("client sent stream items beyond its credit")
+            )
+            return
+        self._items.append(message)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._ended:
+            raise StopAsyncIteration
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        message = self._items.popleft()
+        if isinstance(message, protocol.End):
+            self._ended = True
+            raise StopAsyncIteration
+        self._consumed += 1
+        if self._consumed >= max(1, self.window // 2):
+            self._call.session.channel.send_soon(protocol.Credit(self._call.call_id,
+                                                                 self._consumed))
+            self._consumed = 0
+        assert isinstance(message, protocol.Item)
+        return _decode(message.value, "stream item")
+
+
+def _decode(frames: list[Any], what: str) -> Any:
+    try:
+        return serde.decode(frames[0], frames[1:])
+    except serde.DecodeError as exc:
+        raise InvalidArgument(f"{what} does not decode: {exc}") from None
+
+
+def _error_message(call_id: int, error: BaseException) -> protocol.Error:
+    if isinstance(error, RemoteError):
+        return protocol.Error(call_id, int(error.status), error.type_name, error.message,
+                              error.remote_traceback or _format(error))
+    return protocol.Error(
+        call_id, int(Status.INTERNAL), type(error).__qualname__, str(error), _format(error)
+    )
+
+
+def _format(error: BaseException) -> str:
+    return "".join(traceback.format_exception(error))
+
+
+class _Call:
+    """One call running on the server."""
+
+    def __init__(self, session: _Session, request: protocol.Request, nbytes: int) -> None:
+        self.session = session
+        self.call_id = request.call_id
+        self.request = request
+        self.request_bytes = nbytes
+        self._credit = 0
+        self._credit_event: asyncio.Event | None = None
+        self.instream: _InStream | None = None
+        self.metrics: MethodMetrics | None = None
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def grant(self, count: int) -> None:
+        self._credit += max(0, count)
+        if self._credit_event is not None:
+            self._credit_event.set()
+
+    def count_in(self, nbytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.bytes_in += nbytes
+
+    async def _send(self, message: protocol.Message) -> None:
+        sent = await self.session.channel.send(message)
+        if self.metrics is not None:
+            self.metrics.bytes_out += sent
+
+    async def _run(self) -> None:
+        server = self.session.server
+        request = self.request
+        started = time.perf_counter()
+        failed = True
+        try:
+            handler = server._handler(request.method)
+            self.metrics = handler.metrics
+            self.count_in(self.request_bytes)
+            assert server._slots is not None
+            async with server._slots:
+                args, kwargs = self._arguments(handler)
+                scope = asyncio.timeout(request.timeout)
+                try:
+                    async with scope:
+                        if handler.info.streaming:
+                            await self._stream(handler, args, kwargs)
+                        else:
+                            result = await handler.func(*args, **kwargs)
+                            await self._send(
+                                protocol.Response(self.call_id, _encode(result, handler.name))
+                            )
+                except TimeoutError:
+                    if not scope.expired():
+                        raise  # the handler's own TimeoutError
+                    raise DeadlineExceeded(
+                        f"{request.method} did not finish within its deadline "
+                        f"of {request.timeout} s"
+                    ) from None
+            failed = False
+        except asyncio.CancelledError:
+            # Never swallowed; a cancel from the client needs no reply.
+            raise
+        except Exception as exc:
+            await self._fail(exc)
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe(time.perf_counter() - started, error=failed)
+
+    async def _fail(self, error: BaseException) -> None:
+        if not isinstance(error, RemoteError):
+            logger.debug("%s raised", self.request.method, exc_info=error)
+        with contextlib.suppress(Unavailable):
+            await self._send(_error_message(self.call_id, error))
+
+    def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
+        value = _decode(self.request.value, f"the arguments of {handler.name}")
+        if (
+            not isinstance(value, list | tuple)
+            or len(value) != 2
+            or not isinstance(value[0], list | tuple)
+            or not isinstance(value[1], dict)
+        ):
+            raise InvalidArgument("a request's value must be [args, kwargs]")
+        args, kwargs = list(value[0]), value[1]
+        stream_arg = self.request.stream_arg
+        if stream_arg >= 0:
+            if stream_arg > len(args):
+                raise InvalidArgument(f"stream argument {stream_arg} is out of range")
+            window = self.session.server.config.stream_window
+            self.instream = _InStream(self, window)
+            args.insert(stream_arg, self.instream)
+        try:
+            handler.info.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            shown = signature_text(handler.info.signature)
+            raise InvalidArgument(f"arguments do not fit {handler.name}{shown}: {exc}") from None
+        if self.instream is not None:
+            self.session.channel.send_soon(protocol.Credit(self.call_id, self.instream.window))
+        return args, kwargs
+
+    async def _stream(self, handler: _Handler, args: list[Any], kwargs: dict[str, Any]) -> None:
+        self._credit_event = asyncio.Event()
+        generator = handler.func(*args, **kwargs)
+        try:
+            async for item in generator:
+                while self._credit <= 0:
+                    self._credit_event.clear()
+                    await self._credit_event.wait()
+                self._credit -= 1
+                await self._send(protocol.Item(self.call_id, _encode(item, handler.name)))
+        finally:
+            await generator.aclose()
+        await self._send(protocol.End(self.call_id))
+
+
+def _encode(value: Any, method_name: str) -> list[Any]:
+    try:
+        header, buffers = serde.encode(value)
+    except serde.EncodeError as exc:
+        raise Internal(f"the result of {method_name} cannot be encoded: {exc}") from None
+    return [header, *buffers]
+

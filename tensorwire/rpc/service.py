@@ -1,0 +1,143 @@
+"""Services: classes whose ``@rpc.method`` methods can be called remotely."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from ..errors import ConfigError
+
+__all__ = ("MethodInfo", "Service", "describe", "method")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ATTR = "__tensorwire_method__"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MethodInfo:
+    """What the server knows of a remote method.
+
+    Attributes:
+        name: the method's remote name (the Python name unless renamed).
+        streaming: True for async generators (the server streams results).
+        idempotent: safe to run twice; the client retries it once after a
+            reconnect.
+        signature: the Python signature, for binding and introspection.
+        doc: the docstring.
+    """
+
+    name: str
+    streaming: bool
+    idempotent: bool
+    signature: inspect.Signature
+    doc: str
+
+
+@overload
+def method(func: F, /) -> F: ...
+
+
+@overload
+def method(*, name: str | None = None, idempotent: bool = False) -> Callable[[F], F]: ...
+
+
+def method(
+    func: F | None = None, /, *, name: str | None = None, idempotent: bool = False
+) -> F | Callable[[F], F]:
+    """Mark an ``async def`` (unary) or async generator (streaming) method as remote.
+
+    ``@rpc.method`` or ``@rpc.method(idempotent=True, name="...")``. A
+    parameter may receive an async iterator: the caller passes an async
+    iterable there and its items stream to the server.
+
+    Raises:
+        ConfigError: the function is neither a coroutine function nor an
+            async generator function.
+    """
+
+    def mark(f: F) -> F:
+        streaming = inspect.isasyncgenfunction(f)
+        if not streaming and not inspect.iscoroutinefunction(f):
+            raise ConfigError(
+                f"@rpc.method needs an async def or async generator, got {f.__qualname__}"
+            )
+        signature = inspect.signature(f)
+        params = list(signature.parameters.values())[1:]  # drop self
+        info = MethodInfo(
+            name=name or f.__name__,
+            streaming=streaming,
+            idempotent=idempotent,
+            signature=signature.replace(parameters=params),
+            doc=inspect.getdoc(f) or "",
+        )
+        setattr(f, _ATTR, info)
+        return f
+
+    if func is not None:
+        return mark(func)
+    return mark
+
+
+class Service:
+    """Base class of services. The service's remote name is the class name,
+    or the class attribute ``service_name`` when set.
+
+    Example::
+
+        class Store(rpc.Service):
+            @rpc.method
+            async def get(self, key: str) -> np.ndarray: ...
+    """
+
+    service_name: str | None = None
+
+
+class _Text:
+    """An annotation shown as written (``from __future__ import annotations``
+    leaves strings, which inspect would show quoted)."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def signature_text(signature: inspect.Signature) -> str:
+    """``signature`` as source would spell it: ``(key: str, value) -> None``."""
+
+    def unquote(annotation: Any) -> Any:
+        return _Text(annotation) if isinstance(annotation, str) else annotation
+
+    params = [p.replace(annotation=unquote(p.annotation)) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=params,
+                                 return_annotation=unquote(signature.return_annotation)))
+
+
+def service_name(cls: type) -> str:
+    """The remote name of a service class."""
+    name = getattr(cls, "service_name", None)
+    return name if isinstance(name, str) and name else cls.__name__
+
+
+def describe(cls: type) -> dict[str, tuple[str, MethodInfo]]:
+    """The remote methods of a service class: remote name -> (attribute, info).
+
+    Raises:
+        ConfigError: two methods claim the same remote name.
+    """
+    methods: dict[str, tuple[str, MethodInfo]] = {}
+    for attr in dir(cls):
+        info = getattr(getattr(cls, attr, None), _ATTR, None)
+        if not isinstance(info, MethodInfo):
+            continue
+        if info.name in methods:
+            raise ConfigError(
+                f"{cls.__name__}: methods {methods[info.name][0]!r} and {attr!r} "
+                f"both have the remote name {info.name!r}"
+            )
+        methods[info.name] = (attr, info)
+    return methods

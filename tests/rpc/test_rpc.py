@@ -1,0 +1,403 @@
+"""The RPC suite, over tcp://, inproc:// and ucx://."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import traceback
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorwire as tw
+from tensorwire import rpc, testing
+from tensorwire.errors import (
+    DeadlineExceeded,
+    EncodeError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ProtocolError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from tensorwire.rpc import ClientConfig, ServerConfig
+from tensorwire.rpc import protocol as p
+from tensorwire.transports import connect as transport_connect
+
+from .services import Store
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    url: str, *services: rpc.Service, config: ServerConfig | None = None
+) -> AsyncIterator[tw.Server]:
+    server = tw.Server(services or [Store()], config=config)
+    await server.start(url)
+    try:
+        yield server
+    finally:
+        await server.close(grace=0)
+
+
+async def test_tensors_and_nested_values_round_trip(url: str) -> None:
+    value = {
+        "w": np.arange(1 << 18, dtype=np.float32).reshape(512, 512),
+        "nested": [1, 2.5, "three", (b"four", None, True), {"deep": np.ones((2, 3), np.int64)}],
+        "empty": np.zeros((0, 4)),
+    }
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        store = client.proxy(Store)
+        await store.put("v", value)
+        back = await store.get("v")
+    assert back.keys() == value.keys()
+    assert np.array_equal(back["w"], value["w"])
+    assert back["nested"][:3] == [1, 2.5, "three"]
+    assert back["nested"][3] == (b"four", None, True)
+    assert np.array_equal(back["nested"][4]["deep"], np.ones((2, 3), np.int64))
+    assert back["empty"].shape == (0, 4)
+
+
+async def test_server_receives_tensors_without_copies(url: str) -> None:
+    array = np.arange(1 << 20, dtype=np.float64)
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        seen = await client.proxy(Store).inspect(array)
+    # The handler's array owns no memory: it is a view whose root is the
+    # transport's receive buffer, the tensor's size plus at most the 64 bytes
+    # of alignment slack.
+    assert seen["owndata"] is False
+    assert array.nbytes <= seen["root_nbytes"] <= array.nbytes + 64
+    if url.startswith("inproc"):
+        # In one process the frame is the caller's own memory.
+        assert seen["address"] == array.ctypes.data
+    else:
+        assert seen["root_dtype"] == "uint8"
+        assert seen["writeable"] is True
+
+
+async def test_a_thousand_concurrent_calls_on_one_connection(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        store = client.proxy(Store)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(store.echo([i, str(i)]) for i in range(1000))), 60
+        )
+    assert results == [[i, str(i)] for i in range(1000)]
+
+
+async def test_plain_call_by_name(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        await client.call("Store.put", "k", 5)
+        assert await client.call("Store.get", key="k") == 5
+
+
+async def test_deadline_passing_mid_handler_cancels_it(url: str) -> None:
+    store = Store()
+    async with serving(url, store) as server, tw.connect(server.addresses[0]) as client:
+        with pytest.raises(DeadlineExceeded):
+            await client.call("Store.sleep", 30, "late", timeout=0.3)
+        for _ in range(200):
+            if store.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert store.cancelled == ["late"]
+
+
+async def test_deadline_travels_to_the_server(url: str) -> None:
+    store = Store()
+    config = ClientConfig(timeout=60)
+    async with serving(url, store) as server, tw.connect(server.addresses[0],
+                                                         config=config) as client:
+        # The client waits a little longer than the server, so the server's
+        # deadline fires first and its DEADLINE_EXCEEDED is what arrives.
+        task = asyncio.create_task(client.call("Store.sleep", 30, "srv", timeout=0.3))
+        with pytest.raises(DeadlineExceeded):
+            await task
+        assert store.cancelled == ["srv"]
+
+
+async def test_cancelling_the_caller_cancels_the_handler(url: str) -> None:
+    store = Store()
+    async with serving(url, store) as server, tw.connect(server.addresses[0]) as client:
+        task = asyncio.create_task(client.call("Store.sleep", 30, "cancel-me"))
+        for _ in range(200):
+            if server.metrics() and store.calls == 0 and task.done() is False:
+                break
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if store.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert store.cancelled == ["cancel-me"]
+        # The connection is fine afterwards.
+        assert await client.call("Store.echo", 1) == 1
+
+
+async def test_exceptions_arrive_with_type_message_and_traceback(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        store = client.proxy(Store)
+        with pytest.raises(Internal) as info:
+            await store.boom("missing")
+        error = info.value
+        assert error.type_name == "KeyError"
+        assert "missing" in error.message
+        assert "in boom" in error.remote_traceback
+        with pytest.raises(NotFound, match="no key 'x'") as found:
+            await store.get("x")
+        assert found.value.type_name == "NotFound"
+        assert await store.echo("still serving") == "still serving"
+
+
+async def test_unknown_service_or_method(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        with pytest.raises(NotFound, match="no service 'Nope'"):
+            await client.call("Nope.get")
+        with pytest.raises(NotFound, match="has no method 'nope'"):
+            await client.call("Store.nope")
+        assert await client.call("Store.echo", 2) == 2
+
+
+async def test_wrong_arguments(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        with pytest.raises(InvalidArgument, match=r"Store.put\(key: str, value"):
+            await client.call("Store.put", "only-key")
+        with pytest.raises(InvalidArgument, match="unexpected keyword"):
+            await client.call("Store.get", "k", color="red")
+        with pytest.raises(EncodeError):
+            await client.call("Store.echo", object())
+        assert await client.call("Store.echo", 3) == 3
+
+
+async def test_server_streaming_with_backpressure(url: str) -> None:
+    store = Store()
+    config = ClientConfig(stream_window=4)
+    async with serving(url, store) as server, tw.connect(server.addresses[0],
+                                                         config=config) as client:
+        got = []
+        async for item in client.proxy(Store).count(100):
+            got.append(item)
+            if item == 9:
+                # Paused consumer: the producer may run ahead only by the window.
+                await asyncio.sleep(0.3)
+                assert store.produced <= 10 + 4 + 1
+        assert got == list(range(100))
+
+
+async def test_leaving_a_stream_early_cancels_it(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        async for item in client.proxy(Store).count(10_000):
+            if item == 3:
+                break
+        assert await client.call("Store.echo", "ok") == "ok"
+
+
+async def test_client_streaming_with_backpressure(url: str) -> None:
+    sent = 0
+
+    async def values() -> AsyncIterator[np.ndarray[Any, Any]]:
+        nonlocal sent
+        for i in range(40):
+            sent += 1
+            yield np.full(1000, i, dtype=np.float64)
+
+    config = ServerConfig(stream_window=4)
+    async with serving(url, config=config) as server, tw.connect(server.addresses[0]) as client:
+        task = asyncio.create_task(client.call("Store.total", values(), delay=0.02))
+        await asyncio.sleep(0.1)
+        # The server consumes one item per 20 ms: the client is held back.
+        assert sent <= 4 + 8
+        assert await task == 1000 * sum(range(40))
+
+
+async def test_bidirectional_streaming(url: str) -> None:
+    async def values() -> AsyncIterator[np.ndarray[Any, Any]]:
+        for i in range(20):
+            yield np.full(3, i, dtype=np.float32)
+
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        out = [x async for x in client.stream("Store.scale", 2.0, values())]
+    assert [float(x[0]) for x in out] == [2.0 * i for i in range(20)]
+
+
+async def test_wrong_or_missing_secret_is_unauthenticated(url: str) -> None:
+    store = Store()
+    config = ServerConfig(secret=b"correct horse battery")
+    async with serving(url, store, config=config) as server:
+        address = server.addresses[0]
+        with pytest.raises(Unauthenticated):
+            await tw.connect(address, secret=b"wrong secret!!")
+        with pytest.raises(Unauthenticated):
+            await tw.connect(address)
+        assert store.calls == 0
+        async with tw.connect(address, secret=b"correct horse battery") as client:
+            await client.proxy(Store).put("k", 1)
+        assert store.calls == 1
+
+
+async def test_replayed_proof_does_not_authenticate() -> None:
+    secret = b"correct horse battery"
+    async with serving("tcp://127.0.0.1:0", config=ServerConfig(secret=secret)) as server:
+        # Capture a real client's proof...
+        conn = await transport_connect(server.addresses[0])
+        shake = p.ClientHandshake(secret=secret)
+        await conn.send(p.encode(shake.start()))
+        proof = shake.receive(p.parse(await conn.recv()))
+        assert isinstance(proof, p.Auth)
+        await conn.close()
+        # ...and replay it on a new connection: the server's fresh nonce
+        # makes it worthless.
+        conn = await transport_connect(server.addresses[0])
+        await conn.send(p.encode(p.ClientHandshake(secret=None).start()))
+        welcome = p.parse(await conn.recv())
+        assert isinstance(welcome, p.Welcome)
+        await conn.send(p.encode(proof))
+        reply = p.parse(await conn.recv())
+        assert isinstance(reply, p.Reject)
+        assert reply.status == tw.errors.Status.UNAUTHENTICATED
+        await conn.close()
+
+
+async def test_version_mismatch_is_clear_on_both_sides(caplog: pytest.LogCaptureFixture) -> None:
+    async with serving("tcp://127.0.0.1:0") as server:
+        conn = await transport_connect(server.addresses[0])
+        await conn.send(p.encode(p.Hello(0, 99, b"n" * 16, "future client")))
+        reply = p.parse(await conn.recv())
+        assert isinstance(reply, p.Reject)
+        assert "version 99" in reply.message
+        await conn.close()
+    assert any("version 99" in r.getMessage() for r in caplog.records)
+
+    async def future_server(conn: Any) -> None:
+        await conn.recv()
+        await conn.send(p.encode(p.Welcome(0, 99, b"n" * 16, False, 10)))
+        with contextlib.suppress(tw.errors.ConnectionClosedError):
+            await conn.recv()
+
+    async with await tw.transports.listen("tcp://127.0.0.1:0", future_server) as listener:
+        with pytest.raises(ProtocolError, match="version 99"):
+            await tw.connect(listener.address)
+
+
+async def test_garbage_after_handshake_drops_only_that_connection() -> None:
+    async with serving("tcp://127.0.0.1:0") as server:
+        address = server.addresses[0]
+        async with tw.connect(address) as good:
+            conn = await transport_connect(address)
+            await conn.send(p.encode(p.ClientHandshake(secret=None).start()))
+            p.parse(await conn.recv())
+            await conn.send([b"\xc1 not msgpack"])
+            with pytest.raises(tw.errors.ConnectionClosedError):
+                await asyncio.wait_for(conn.recv(), 10)
+            # A request whose value does not decode gets InvalidArgument,
+            # and the connection stays up.
+            conn = await transport_connect(address)
+            await conn.send(p.encode(p.ClientHandshake(secret=None).start()))
+            p.parse(await conn.recv())
+            await conn.send(p.encode(p.Request(1, "Store.echo", 5.0, -1, [b"garbage"])))
+            reply = p.parse(await conn.recv())
+            assert isinstance(reply, p.Error)
+            assert reply.status == tw.errors.Status.INVALID_ARGUMENT
+            await conn.send(p.encode(p.Ping(0)))
+            assert isinstance(p.parse(await conn.recv()), p.Pong)
+            await conn.close()
+            assert await good.call("Store.echo", "fine") == "fine"
+
+
+async def test_per_connection_limit_queues_on_the_client(url: str) -> None:
+    config = ServerConfig(max_concurrent_per_connection=2)
+    async with serving(url, config=config) as server, tw.connect(server.addresses[0]) as client:
+        results = await asyncio.gather(*(client.call("Store.sleep", 0.05, str(i))
+                                         for i in range(8)))
+    assert results == [str(i) for i in range(8)]
+
+
+async def test_over_the_limit_without_queueing_is_resource_exhausted() -> None:
+    config = ServerConfig(max_concurrent_per_connection=1)
+    async with serving("tcp://127.0.0.1:0", config=config) as server:
+        conn = await transport_connect(server.addresses[0])
+        await conn.send(p.encode(p.ClientHandshake(secret=None).start()))
+        welcome = p.parse(await conn.recv())
+        assert isinstance(welcome, p.Welcome)
+        assert welcome.max_concurrent == 1
+        header, buffers = tw.serde.encode([[1.0, "a"], {}])
+        for call_id in (1, 2):
+            await conn.send(p.encode(p.Request(call_id, "Store.sleep", 5.0, -1,
+                                               [header, *buffers])))
+        reply = p.parse(await conn.recv())
+        assert isinstance(reply, p.Error)
+        assert reply.call_id == 2
+        assert reply.status == ResourceExhausted.status
+        await conn.close()
+
+
+async def test_introspection_and_metrics(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        services = {s["name"]: s for s in await client.services()}
+        methods = {m["name"]: m for m in services["Store"]["methods"]}
+        assert services["Store"]["doc"] == "A key-value store of tensors."
+        assert methods["put"]["signature"].startswith("(key: str, value")
+        assert methods["put"]["doc"] == "Store ``value`` under ``key``."
+        assert methods["get"]["idempotent"] is True
+        assert methods["count"]["streaming"] is True
+        store = client.proxy(Store)
+        for _ in range(5):
+            await store.put("k", np.ones(1000))
+        with pytest.raises(NotFound):
+            await store.get("absent")
+        theirs, ours = server.metrics(), client.metrics()
+    assert theirs["Store.put"]["calls"] == 5
+    assert theirs["Store.put"]["bytes_in"] >= 5 * 8000
+    assert theirs["Store.get"]["errors"] == 1
+    assert ours["Store.put"]["calls"] == 5
+    assert ours["Store.put"]["bytes_out"] >= 5 * 8000
+    assert 0 < ours["Store.put"]["p50"] <= ours["Store.put"]["p99"]
+
+
+async def test_silent_server_is_detected_by_heartbeats() -> None:
+    async def mute(conn: Any) -> None:
+        shake = p.ServerHandshake(secret=None, max_concurrent=4)
+        await conn.send(p.encode(shake.receive(p.parse(await conn.recv()))))
+        await asyncio.sleep(30)  # never answers pings or calls
+
+    config = ClientConfig(heartbeat_interval=0.1, heartbeat_timeout=0.5)
+    listener = await tw.transports.listen("tcp://127.0.0.1:0", mute)
+    async with listener, tw.connect(listener.address, config=config) as client:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(Unavailable, match="silent"):
+            await client.call("Store.echo", 1)
+        assert loop.time() - start < 3
+
+
+async def test_graceful_close_finishes_calls_in_flight_and_refuses_new() -> None:
+    server = tw.Server([Store()])
+    (address,) = await server.start("tcp://127.0.0.1:0")
+    async with tw.connect(address) as client:
+        running = asyncio.create_task(client.call("Store.slow", 0.3))
+        await asyncio.sleep(0.1)
+        closing = asyncio.create_task(server.close(grace=5))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Unavailable):
+            await client.call("Store.echo", 1)
+        assert await running == "done"
+        await closing
+
+
+async def test_testing_helper_runs_services_in_process() -> None:
+    async with testing.client_for(Store()) as client:
+        store = client.proxy(Store)
+        await store.put("w", np.ones(3))
+        assert (await store.get("w")).sum() == 3
+
+
+def test_remote_error_formats_readably() -> None:
+    error = Internal("boom", type_name="KeyError", remote_traceback="Traceback...")
+    assert str(error) == "[INTERNAL] boom (remote KeyError)"
+    assert "".join(traceback.format_exception_only(error)).strip().endswith(
+        "[INTERNAL] boom (remote KeyError)"
+    )
