@@ -1,0 +1,139 @@
+"""The sans-IO RPC protocol, without sockets or an event loop."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from tensorwire.errors import ProtocolError, Status, Unauthenticated
+from tensorwire.rpc import protocol as p
+
+SECRET = b"a shared secret"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        p.Hello(0, p.RPC_VERSION, b"n" * 16, "worker-3"),
+        p.Welcome(0, p.RPC_VERSION, b"s" * 16, True, 64),
+        p.Auth(0, b"x" * 32),
+        p.AuthOk(0, b"y" * 32),
+        p.Reject(0, int(Status.UNAUTHENTICATED), "no"),
+        p.Request(7, "Store.get", 1.5, -1, [b"header", b"buffer"]),
+        p.Request(8, "Store.total", None, 0, [b"header"]),
+        p.Response(7, [b"header"]),
+        p.Error(7, int(Status.NOT_FOUND), "NotFound", "no key", "Traceback ..."),
+        p.Cancel(7),
+        p.Item(9, [b"h", b"b1", b"b2"]),
+        p.End(9),
+        p.Credit(9, 16),
+        p.Ping(0),
+        p.Pong(0),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_every_message_round_trips(message: p.Message) -> None:
+    assert p.parse(p.encode(message)) == message
+
+
+@pytest.mark.parametrize(
+    ("frames", "match"),
+    [
+        ([], "empty"),
+        ([b"\xc1"], "undecodable"),
+        ([msgpack.packb({"kind": 1})], "must be an array"),
+        ([msgpack.packb([99, 0])], "unknown RPC message kind 99"),
+        ([msgpack.packb([20, -1])], "bad call id"),
+        ([msgpack.packb([13, 1, "extra"])], "takes 0 fields, got 1"),
+        ([msgpack.packb([16, 1, "many"])], "count must be int"),
+        ([msgpack.packb([10, 1, "Store.get", 1.0, -1])], "without its value"),
+        ([msgpack.packb([20, 0]), b"stray"], "carries no value"),
+        ([b"\x91" + b"\xc4\xff" + b"x" * 70_000], "exceeds"),
+    ],
+)
+def test_malformed_messages_are_protocol_errors(frames: list[bytes], match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        p.parse(frames)
+
+
+def _run(client: p.ClientHandshake, server: p.ServerHandshake) -> p.Message | None:
+    """Play the handshake; returns the server's REJECT, if any."""
+    outgoing: p.Message | None = client.start()
+    while outgoing is not None:
+        reply = server.receive(p.parse(p.encode(outgoing)))
+        if isinstance(reply, p.Reject):
+            return reply
+        outgoing = client.receive(p.parse(p.encode(reply)))
+    return None
+
+
+def test_handshake_without_a_secret() -> None:
+    client, server = p.ClientHandshake(secret=None), p.ServerHandshake(secret=None,
+                                                                       max_concurrent=8)
+    assert _run(client, server) is None
+    assert client.done and server.done
+    assert client.max_concurrent == 8
+
+
+def test_handshake_with_the_right_secret_is_mutual() -> None:
+    client = p.ClientHandshake(secret=SECRET)
+    server = p.ServerHandshake(secret=SECRET, max_concurrent=8)
+    assert _run(client, server) is None
+    assert client.done and server.done
+
+
+def test_wrong_secret_is_rejected() -> None:
+    client = p.ClientHandshake(secret=b"not the secret")
+    server = p.ServerHandshake(secret=SECRET, max_concurrent=8)
+    reply = _run(client, server)
+    assert isinstance(reply, p.Reject)
+    assert reply.status == Status.UNAUTHENTICATED
+    assert not server.done
+
+
+def test_client_without_a_secret_gets_a_clear_error() -> None:
+    client = p.ClientHandshake(secret=None)
+    server = p.ServerHandshake(secret=SECRET, max_concurrent=8)
+    welcome = server.receive(client.start())
+    with pytest.raises(Unauthenticated, match="requires a shared secret"):
+        client.receive(welcome)
+
+
+def test_a_server_that_does_not_know_the_secret_is_caught() -> None:
+    client = p.ClientHandshake(secret=SECRET)
+    impostor = p.ServerHandshake(secret=b"impostor's guess", max_concurrent=8)
+    auth = client.receive(impostor.receive(client.start()))
+    assert isinstance(auth, p.Auth)
+    # The impostor cannot check the proof, so it answers with a made-up one.
+    with pytest.raises(Unauthenticated, match="could not prove"):
+        client.receive(p.AuthOk(0, b"\0" * 32))
+
+
+def test_skipping_auth_is_refused() -> None:
+    server = p.ServerHandshake(secret=SECRET, max_concurrent=8)
+    server.receive(p.ClientHandshake(secret=None).start())
+    reply = server.receive(p.Request(1, "Store.get", None, -1, [b"h"]))
+    assert isinstance(reply, p.Reject)
+    assert reply.status == Status.UNAUTHENTICATED
+    assert not server.done
+
+
+def test_version_mismatch_both_ways() -> None:
+    server = p.ServerHandshake(secret=None, max_concurrent=8)
+    reply = server.receive(p.Hello(0, p.RPC_VERSION + 1, b"n" * 16, ""))
+    assert isinstance(reply, p.Reject)
+    assert f"version {p.RPC_VERSION + 1}" in reply.message
+    client = p.ClientHandshake(secret=None)
+    client.start()
+    with pytest.raises(ProtocolError, match=f"version {p.RPC_VERSION + 1}"):
+        client.receive(p.Welcome(0, p.RPC_VERSION + 1, b"s" * 16, False, 8))
+
+
+def test_messages_before_the_handshake_are_refused() -> None:
+    server = p.ServerHandshake(secret=None, max_concurrent=8)
+    reply = server.receive(p.Ping(0))
+    assert isinstance(reply, p.Reject)
+    client = p.ClientHandshake(secret=None)
+    client.start()
+    with pytest.raises(ProtocolError, match="unexpected PONG"):
+        client.receive(p.Pong(0))
