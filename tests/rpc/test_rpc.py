@@ -401,3 +401,26 @@ def test_remote_error_formats_readably() -> None:
     assert "".join(traceback.format_exception_only(error)).strip().endswith(
         "[INTERNAL] boom (remote KeyError)"
     )
+
+
+async def test_rpc_over_tls() -> None:
+    import ssl
+
+    import trustme
+
+    from tensorwire.transports import TransportConfig
+
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    ca.configure_trust(client_ctx)
+    server_config = ServerConfig(transport=TransportConfig(ssl_server=server_ctx))
+    client_config = ClientConfig(transport=TransportConfig(ssl_client=client_ctx))
+    async with serving("tcp://127.0.0.1:0", config=server_config) as server:
+        client = await tw.connect(server.addresses[0], config=client_config)
+        assert np.array_equal(await client.call("Store.echo", np.arange(5)), np.arange(5))
+        await client.close()
+        # A client without TLS cannot get through.
+        with pytest.raises(Unavailable):
+            await tw.connect(server.addresses[0], reconnect_attempts=1)
