@@ -34,14 +34,13 @@ async def main(url: str, megabytes: int) -> None:
     weights = np.random.default_rng(0).standard_normal(megabytes << 18, dtype=np.float32)
     value = {"step": 1234, "name": "layer3.weight", "tensor": weights.reshape(-1, 1024)}
 
-    async with await listen(url, echo) as listener:
-        async with await connect(listener.address) as conn:
-            start = time.perf_counter()
-            header, buffers = serde.encode(value)
-            await conn.send([header, *buffers])
-            frames = await conn.recv()
-            back = serde.decode(frames[0], frames[1:])
-            elapsed = time.perf_counter() - start
+    async with await listen(url, echo) as listener, await connect(listener.address) as conn:
+        start = time.perf_counter()
+        header, buffers = serde.encode(value)
+        await conn.send([header, *buffers])
+        frames = await conn.recv()
+        back = serde.decode(frames[0], frames[1:])
+        elapsed = time.perf_counter() - start
 
     tensor = back["tensor"]
     assert back["step"] == 1234 and back["name"] == "layer3.weight"
