@@ -1,0 +1,958 @@
+"""Encoder and Decoder: Python values <-> (header, buffers).
+
+The encoder walks the value once in Python, with ``type(x) is``-style dispatch
+through a dict of handlers, and lowers it to a tree msgpack packs natively:
+arrays, tuples, complex numbers, big ints, bytes-likes and registered types
+become msgpack ext values (``_format.EXT_*``); large data stays out of band as
+zero-copy buffers. One reused msgpack ``Packer`` packs the tree in C. Small
+containers first try a fast path that lets the Packer walk them in C and
+falls back to the Python walk whenever the result could differ
+(``Encoder._encode_fast`` says how that is decided).
+
+The decoder unpacks the body in one C call; an ``ext_hook`` rebuilds the ext
+values, checking every size against the buffers it was given. Nothing in a
+header can make it allocate more than the header's own size: every length is
+checked against data that is already present.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+from msgpack import ExtType
+
+from ..errors import ConfigError, DecodeError, EncodeError
+from . import _buffers, _dtypes, _numpy
+from ._format import (
+    ARRAY_HEAD,
+    ARRAY_HEAD_SIZE,
+    BYTES_INLINE,
+    BYTES_OUT_OF_BAND,
+    COMPLEX,
+    DIMS,
+    EXT_ARRAY,
+    EXT_BIGINT,
+    EXT_BYTEARRAY,
+    EXT_BYTES,
+    EXT_COMPLEX,
+    EXT_MEMORYVIEW,
+    EXT_REGISTERED,
+    EXT_TUPLE,
+    FLAG_BROADCAST,
+    FLAG_FORTRAN,
+    FLAG_INLINE,
+    FLAGS_KNOWN,
+    KIND_CUPY,
+    KIND_NDARRAY,
+    KIND_NPSCALAR,
+    KIND_TORCH,
+    MAX_NDIM,
+    PREFIX,
+    PREFIX_SIZE,
+    PREFIX_STRUCT,
+    U32,
+    U64,
+    UnsupportedValueError,
+    as_memoryview,
+    new_ext,
+)
+from ._limits import Limits
+from ._registry import RegisteredType, TypeRegistry, default_registry
+
+#: Default size (bytes) below which array data and bytes are copied into the
+#: header instead of going out of band. Measured in bench/results/serde.md: an
+#: out-of-band buffer costs a frame (and a syscall iovec) on the transport,
+#: while copying < 1 KiB into the header costs about 0.1 us.
+DEFAULT_INLINE_THRESHOLD: Final = 1024
+
+# Values msgpack packs natively and exactly; the walk leaves them as they are.
+# (Ints beyond 64 bits reach Encoder._default from inside the Packer.)
+_NATIVE: Final = frozenset({str, int, float, bool, type(None)})
+# Dict keys kept as they are (keys are always inline, whatever their size).
+_NATIVE_KEYS: Final = frozenset({str, int, float, bool, type(None), bytes})
+_CONTAINERS: Final = (list, tuple, dict)
+_U8: Final = np.dtype(np.uint8)
+#: Shared "no buffers" state; never written (every index is out of its range).
+_NO_BUFFERS: Final = bytearray()
+_FAST_MAX: Final = ARRAY_HEAD_SIZE + 8 * MAX_NDIM
+CODE_TO_DTYPE: Final = _dtypes.CODE_TO_DTYPE
+
+_Handler = Callable[[Any, list[Any], int], Any]
+
+
+#: The fast path is tried for containers of at most this many items...
+_FAST_MAX_ITEMS: Final = 32
+#: ...and tuples nested at most this deep (one Packer per level).
+_FAST_TUPLE_LEVELS: Final = 4
+#: All bytes except msgpack's array and map markers (fix, 16- and 32-bit).
+_NOT_CONTAINER: Final = bytes(
+    b for b in range(256) if not (0x80 <= b <= 0x9F or b in (0xDC, 0xDD, 0xDE, 0xDF))
+)
+
+
+_BYTES_LIKE: Final = frozenset({bytes, bytearray, memoryview})
+#: All bytes except the bin markers 0xc4-0xc6.
+_NOT_BIN: Final = bytes(b for b in range(256) if b not in (0xC4, 0xC5, 0xC6))
+#: Precomputed header prefixes for small buffer counts.
+_PREFIXES: Final = tuple(PREFIX_STRUCT.pack(PREFIX, n) for n in range(64))
+
+
+class _FallbackError(Exception):
+    """Internal: the fast path met something only the walk handles."""
+
+
+def _render_path(path: list[str]) -> str:
+    return "value" + "".join(reversed(path))
+
+
+class Encoder:
+    """Reusable encoder: ``encode(obj) -> (header, buffers)``.
+
+    Buffers are zero-copy views of the caller's memory (a 1-D unsigned-byte
+    ``memoryview`` for host data, an object with ``__cuda_array_interface__``
+    for device data), ready for ``socket.sendmsg``; the caller must not modify
+    the value until the buffers are sent. Exactly one copy is made of a
+    non-contiguous array or tensor (to compact it); C- and F-contiguous arrays
+    are never copied unless smaller than ``inline_threshold``.
+
+    An Encoder is not thread-safe (it reuses one msgpack Packer); use one per
+    thread. The module-level :func:`encode` keeps one per thread for you.
+
+    Args:
+        registry: user types; default: the registry :func:`register` fills.
+        inline_threshold: data smaller than this many bytes is copied into the
+            header; 0 sends every array and bytes-like out of band.
+        limits: bounds on depth, header size and buffer count.
+
+    Raises:
+        ConfigError: ``inline_threshold`` is negative or not an int.
+    """
+
+    __slots__ = (
+        "_fast_bufs",
+        "_fast_level",
+        "_fast_packers",
+        "_handlers",
+        "_leaf_handlers",
+        "_limits",
+        "_max_depth",
+        "_packer",
+        "_registry",
+        "_threshold",
+    )
+
+    def __init__(
+        self,
+        *,
+        registry: TypeRegistry | None = None,
+        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+        limits: Limits | None = None,
+    ) -> None:
+        if type(inline_threshold) is not int or inline_threshold < 0:
+            raise ConfigError(f"inline_threshold must be an int >= 0, got {inline_threshold!r}")
+        self._registry = default_registry if registry is None else registry
+        self._threshold = inline_threshold
+        self._limits = Limits() if limits is None else limits
+        self._max_depth = self._limits.max_depth
+        self._packer = msgpack.Packer(default=self._default, use_bin_type=True, autoreset=True)
+        handlers: dict[type, _Handler] = {
+            dict: self._enc_dict,
+            list: self._enc_list,
+            tuple: self._enc_tuple,
+            bytes: self._enc_bytes,
+            bytearray: self._enc_bytearray,
+            memoryview: self._enc_memoryview,
+            complex: self._enc_complex,
+            np.ndarray: _numpy.ndarray_encoder(inline_threshold),
+            np.memmap: _numpy.ndarray_encoder(inline_threshold),
+        }
+        for scalar_type in set(np.sctypeDict.values()):
+            handlers[scalar_type] = self._enc_npscalar
+        self._handlers = handlers
+        # Leaves the fast path may meet (see _encode_fast): everything but
+        # containers and bytes-likes, which only the walk handles.
+        self._leaf_handlers = {
+            t: h
+            for t, h in handlers.items()
+            if t not in (dict, list, tuple, bytes, bytearray, memoryview)
+        }
+        self._fast_packers = [
+            msgpack.Packer(
+                default=self._fast_default, use_bin_type=True, autoreset=True, strict_types=True
+            )
+            for _ in range(_FAST_TUPLE_LEVELS)
+        ]
+        self._fast_level = 0
+        self._fast_bufs: list[Any] = []
+
+    @property
+    def inline_threshold(self) -> int:
+        """Data smaller than this many bytes is inlined into the header."""
+        return self._threshold
+
+    @property
+    def limits(self) -> Limits:
+        """The limits this encoder enforces."""
+        return self._limits
+
+    def encode(self, obj: Any) -> tuple[bytes, list[Any]]:
+        """Encode ``obj`` into a header and a list of out-of-band buffers.
+
+        Raises:
+            EncodeError: a value of an unsupported type (unregistered class,
+                object or structured dtype, subclass of a builtin, ...), with
+                the type and its path (``value['params'][3]``); nesting deeper
+                than ``limits.max_depth``; a header or buffer count beyond
+                the limits; a str that is not valid Unicode.
+        """
+        t = type(obj)
+        if (
+            (t is dict or t is list or t is tuple)
+            and len(obj) <= _FAST_MAX_ITEMS
+            # A top-level bytes-like would be packed inline by the fast path,
+            # then redone by the walk: skip the copy (e.g. a big blob argument).
+            and _BYTES_LIKE.isdisjoint(map(type, obj.values() if t is dict else obj))
+        ):
+            fast = self._encode_fast(obj)
+            if fast is not None:
+                return fast
+        bufs: list[Any] = []
+        try:
+            if t in _NATIVE:
+                lowered = obj
+            else:
+                handler = self._handlers.get(t) or self._resolve(t, obj)
+                lowered = handler(obj, bufs, 0)
+            body = self._packer.pack(lowered)
+        except UnsupportedValueError as exc:
+            raise EncodeError(f"{exc.message} at {_render_path(exc.path)}") from exc
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise EncodeError(f"cannot encode value: {exc}") from exc
+        nbufs = len(bufs)
+        if len(body) + PREFIX_SIZE > self._limits.max_header_bytes:
+            raise EncodeError(
+                f"header of {len(body) + PREFIX_SIZE} bytes exceeds "
+                f"limits.max_header_bytes={self._limits.max_header_bytes}"
+            )
+        if nbufs > self._limits.max_buffers:
+            raise EncodeError(
+                f"{nbufs} buffers exceed limits.max_buffers={self._limits.max_buffers}"
+            )
+        return PREFIX_STRUCT.pack(PREFIX, nbufs) + body, bufs
+
+    # -- the fast path ----------------------------------------------------------
+
+    def _encode_fast(self, obj: Any) -> tuple[bytes, list[Any]] | None:
+        """Pack small values in C, without the Python walk; None: take the walk.
+
+        msgpack's Packer (``strict_types``) walks lists and dicts in C and calls
+        ``_fast_default`` only for other types. It differs from the walk only
+        for bytes-likes (packed inline as bin whatever their size and type) and
+        by not counting depth. Both are detected afterwards on the body: every
+        bin starts with a byte 0xc4-0xc6 and every container with a marker byte
+        (ext payloads are embedded, so nested tuples are scanned too). A marker
+        byte inside other data is a false alarm that only costs the walk.
+        """
+        bufs: list[Any] = []
+        self._fast_bufs = bufs
+        self._fast_level = 0
+        try:
+            body = self._fast_packers[0].pack(obj)
+        except Exception:  # unsupported or odd value: the walk decides and explains
+            return None
+        finally:
+            self._fast_bufs = []
+        if body.translate(None, _NOT_BIN):  # one C pass; faster than three `in`s
+            return None
+        size = len(body)
+        if size > self._max_depth and len(body.translate(None, _NOT_CONTAINER)) > self._max_depth:
+            return None
+        if (
+            size + PREFIX_SIZE > self._limits.max_header_bytes
+            or len(bufs) > self._limits.max_buffers
+        ):
+            return None
+        nbufs = len(bufs)
+        if nbufs < len(_PREFIXES):
+            return _PREFIXES[nbufs] + body, bufs
+        return PREFIX_STRUCT.pack(PREFIX, nbufs) + body, bufs
+
+    def _fast_default(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is tuple:
+            level = self._fast_level + 1
+            if level >= _FAST_TUPLE_LEVELS:
+                raise _FallbackError
+            self._fast_level = level
+            try:
+                # A busy Packer cannot be re-entered: one per tuple nesting level.
+                payload = self._fast_packers[level].pack(list(obj))
+            finally:
+                self._fast_level = level - 1
+            return new_ext((EXT_TUPLE, payload))
+        if t is int:
+            return self._default(obj)
+        handler = self._leaf_handlers.get(t)
+        if handler is None:
+            raise _FallbackError
+        return handler(obj, self._fast_bufs, 0)
+
+    # -- the walk -------------------------------------------------------------
+
+    def _lower(self, obj: Any, bufs: list[Any], depth: int) -> Any:
+        t = type(obj)
+        if t in _NATIVE:
+            return obj
+        handler = self._handlers.get(t) or self._resolve(t, obj)
+        return handler(obj, bufs, depth)
+
+    def _enc_dict(self, d: dict[Any, Any], bufs: list[Any], depth: int) -> Any:
+        if depth >= self._max_depth:
+            raise UnsupportedValueError(f"nesting deeper than limits.max_depth={self._max_depth}")
+        depth += 1
+        out: dict[Any, Any] | None = None
+        handlers = self._handlers
+        start = len(bufs)
+        for k, v in d.items():
+            tk = type(k)
+            if tk is not str and tk not in _NATIVE_KEYS:
+                del bufs[start:]  # start over on the slow path, without duplicates
+                return self._enc_dict_keys(d, bufs, depth)
+            tv = type(v)
+            if tv in _NATIVE:
+                continue
+            try:
+                r = (handlers.get(tv) or self._resolve(tv, v))(v, bufs, depth)
+            except UnsupportedValueError as exc:
+                exc.path.append(f"[{k!r}]")
+                raise
+            if out is None:
+                out = dict(d)  # copy on write: the caller's dict is never changed
+            out[k] = r
+        return d if out is None else out
+
+    def _enc_dict_keys(self, d: dict[Any, Any], bufs: list[Any], depth: int) -> Any:
+        # Slow path for dicts with keys msgpack cannot pack as they are (tuples).
+        out: dict[Any, Any] = {}
+        for k, v in d.items():
+            tk = type(k)
+            if tk is tuple:
+                try:
+                    key = self._enc_tuple(k, bufs, depth)
+                except UnsupportedValueError as exc:
+                    exc.path.append(f".keys()[{k!r}]")
+                    raise
+            elif tk in _NATIVE_KEYS:
+                key = k
+            else:
+                err = UnsupportedValueError(
+                    f"unsupported dict key type {tk.__module__}.{tk.__qualname__}"
+                )
+                err.path.append(f".keys()[{k!r}]")
+                raise err
+            try:
+                out[key] = self._lower(v, bufs, depth)
+            except UnsupportedValueError as exc:
+                exc.path.append(f"[{k!r}]")
+                raise
+        return out
+
+    def _enc_list(self, lst: list[Any], bufs: list[Any], depth: int) -> Any:
+        if depth >= self._max_depth:
+            raise UnsupportedValueError(f"nesting deeper than limits.max_depth={self._max_depth}")
+        depth += 1
+        out: list[Any] | None = None
+        handlers = self._handlers
+        for i, v in enumerate(lst):
+            tv = type(v)
+            if tv in _NATIVE:
+                continue
+            try:
+                r = (handlers.get(tv) or self._resolve(tv, v))(v, bufs, depth)
+            except UnsupportedValueError as exc:
+                exc.path.append(f"[{i}]")
+                raise
+            if out is None:
+                out = list(lst)
+            out[i] = r
+        return lst if out is None else out
+
+    def _enc_tuple(self, tup: tuple[Any, ...], bufs: list[Any], depth: int) -> ExtType:
+        items = self._enc_list(list(tup), bufs, depth)
+        return ExtType(EXT_TUPLE, self._packer.pack(items))
+
+    def _enc_bytes(self, b: bytes, bufs: list[Any], depth: int) -> Any:
+        if len(b) < self._threshold:
+            return b  # msgpack bin, inline
+        ref = len(bufs)
+        bufs.append(memoryview(b))
+        return ExtType(EXT_BYTES, U32.pack(ref))
+
+    def _enc_bytes_like(self, code: int, mv: memoryview, bufs: list[Any]) -> ExtType:
+        if not mv.c_contiguous:
+            mv = memoryview(mv.tobytes())  # the one copy of a strided memoryview
+        elif mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        if mv.nbytes < self._threshold:
+            return ExtType(code, bytes((BYTES_INLINE,)) + mv.tobytes())
+        ref = len(bufs)
+        bufs.append(mv)
+        return ExtType(code, bytes((BYTES_OUT_OF_BAND,)) + U32.pack(ref))
+
+    def _enc_bytearray(self, b: bytearray, bufs: list[Any], depth: int) -> ExtType:
+        return self._enc_bytes_like(EXT_BYTEARRAY, memoryview(b), bufs)
+
+    def _enc_memoryview(self, mv: memoryview, bufs: list[Any], depth: int) -> ExtType:
+        return self._enc_bytes_like(EXT_MEMORYVIEW, mv, bufs)
+
+    def _enc_complex(self, c: complex, bufs: list[Any], depth: int) -> ExtType:
+        return ExtType(EXT_COMPLEX, COMPLEX.pack(c.real, c.imag))
+
+    def _enc_npscalar(self, value: Any, bufs: list[Any], depth: int) -> ExtType:
+        return _numpy.encode_scalar(value, bufs, self._threshold)
+
+    def _default(self, obj: Any) -> Any:
+        # Called by the Packer only for what it cannot pack: ints beyond the
+        # 64-bit range (the walk has lowered everything else).
+        if type(obj) is int:
+            size = (obj.bit_length() + 8) // 8  # +1 bit for the sign
+            return ExtType(EXT_BIGINT, obj.to_bytes(size, "little", signed=True))
+        raise TypeError(f"unexpected {type(obj).__qualname__} in the lowered value")
+
+    def _resolve(self, t: type, obj: Any) -> _Handler:
+        """Find (and cache) the handler of a type the dispatch dict lacks."""
+        entry = self._registry.for_type(t)
+        if entry is not None:
+            handler = self._registered_handler(entry)
+            self._handlers[t] = handler  # cache: registrations are immutable
+            return handler
+        module = t.__module__ or ""
+        # Lazy libraries: looked at only when such an object is met, so that
+        # encoding NumPy values never imports torch or cupy.
+        if module.startswith("torch") and "torch" in sys.modules:
+            from . import _torch
+
+            if _torch.is_tensor(obj):
+                self._handlers[t] = self._leaf_handlers[t] = self._enc_torch
+                return self._enc_torch
+        if module.startswith("cupy") and "cupy" in sys.modules:
+            from . import _cupy
+
+            if _cupy.is_cupy_array(obj):
+                self._handlers[t] = self._leaf_handlers[t] = self._enc_cupy
+                return self._enc_cupy
+        if isinstance(obj, np.generic):  # e.g. ml_dtypes.bfloat16 scalars
+            self._handlers[t] = self._leaf_handlers[t] = self._enc_npscalar
+            return self._enc_npscalar
+        name = f"{module}.{t.__qualname__}"
+        if isinstance(obj, np.ndarray):
+            why = "ndarray subclasses are not supported; pass np.asarray(x)"
+        elif isinstance(obj, (dict, list, tuple, str, int, float, bytes)):
+            why = "subclasses of builtins would decode as another type; register it or convert"
+        else:
+            why = "register it with tensorwire.serde.register()"
+        raise UnsupportedValueError(f"unsupported type {name}: {why}")
+
+    def _enc_torch(self, obj: Any, bufs: list[Any], depth: int) -> ExtType:
+        from . import _torch
+
+        return _torch.encode_tensor(obj, bufs, self._threshold)
+
+    def _enc_cupy(self, obj: Any, bufs: list[Any], depth: int) -> ExtType:
+        from . import _cupy
+
+        return _cupy.encode_cupy(obj, bufs, self._threshold)
+
+    def _registered_handler(self, entry: RegisteredType) -> _Handler:
+        name = entry.name
+        encode_fn = entry.encode
+
+        def handler(obj: Any, bufs: list[Any], depth: int) -> ExtType:
+            if depth >= self._max_depth:
+                raise UnsupportedValueError(
+                    f"nesting deeper than limits.max_depth={self._max_depth}"
+                )
+            try:
+                inner = encode_fn(obj)
+            except Exception as exc:
+                raise UnsupportedValueError(
+                    f"encode function of registered type {name!r} raised {exc!r}"
+                ) from exc
+            lowered = self._lower(inner, bufs, depth + 1)
+            return ExtType(EXT_REGISTERED, self._packer.pack((name, lowered)))
+
+        return handler
+
+
+class Decoder:
+    """Reusable decoder: ``decode(header, buffers) -> obj``.
+
+    Arrays are views of the given buffers, never copies: writable when the
+    buffer is writable, read-only when it is not (``bytes``). A decoded view
+    keeps its receive buffer alive for as long as it lives; copy the array to
+    let the buffer go. Two documented copies: data inlined in the header
+    (small by construction) is copied so that it is writable, and a buffer
+    misaligned for its dtype is copied into an aligned allocation (buffers
+    from the transports are always aligned). ``bytes`` and ``bytearray``
+    values are copies; ``memoryview`` values are views.
+
+    A Decoder is not thread-safe; use one per thread. The module-level
+    :func:`decode` keeps one per thread for you.
+
+    Args:
+        registry: user types; default: the registry :func:`register` fills.
+        limits: bounds on depth, header size, buffers and array size.
+    """
+
+    __slots__ = (
+        "_bufs",
+        "_depth",
+        "_limits",
+        "_max_buffers",
+        "_max_depth",
+        "_max_elements",
+        "_max_header",
+        "_registry",
+        "_taken",
+        "_used",
+    )
+
+    def __init__(
+        self, *, registry: TypeRegistry | None = None, limits: Limits | None = None
+    ) -> None:
+        self._registry = default_registry if registry is None else registry
+        self._limits = Limits() if limits is None else limits
+        self._max_depth = self._limits.max_depth
+        self._max_elements = self._limits.max_array_elements
+        self._max_header = self._limits.max_header_bytes
+        self._max_buffers = self._limits.max_buffers
+        self._bufs: Sequence[Any] = ()
+        self._used = bytearray()
+        self._taken = 0
+        self._depth = 0
+
+    @property
+    def limits(self) -> Limits:
+        """The limits this decoder enforces."""
+        return self._limits
+
+    def decode(self, header: Any, buffers: Sequence[Any] = ()) -> Any:
+        """Decode a header and its buffers back into a value.
+
+        Args:
+            header: bytes, bytearray, memoryview or a 1-D uint8 NumPy array.
+            buffers: the out-of-band buffers, in order: objects with the buffer
+                protocol (uint8 arrays, bytes, bytearray, memoryview) or device
+                buffers exposing ``__cuda_array_interface__``.
+
+        Raises:
+            DecodeError: anything wrong with the input, with what was wrong: bad
+                magic or version, truncated or garbage msgpack, unknown ext
+                code, dtype or registered name, a buffer index out of range or
+                used twice, unused buffers, a shape whose byte size does not
+                match its data, too many dims, depth or sizes beyond the
+                limits, invalid UTF-8, unhashable dict keys.
+        """
+        if type(header) is bytes:
+            # Hot path: no memoryview; a slice copy is cheaper for small headers.
+            size = len(header)
+            body: Any = header[PREFIX_SIZE:] if size < 4096 else memoryview(header)[PREFIX_SIZE:]
+            view: Any = header
+        else:
+            try:
+                view = memoryview(header)
+            except TypeError:
+                raise DecodeError(
+                    f"header must support the buffer protocol, got {type(header).__qualname__}"
+                ) from None
+            if view.ndim != 1 or view.itemsize != 1:
+                raise DecodeError("header must be a 1-D buffer of bytes")
+            size = view.nbytes
+            body = view[PREFIX_SIZE:]
+        if size < PREFIX_SIZE:
+            raise DecodeError(
+                f"header of {size} bytes is shorter than its {PREFIX_SIZE}-byte prefix"
+            )
+        if size > self._max_header:
+            raise DecodeError(
+                f"header of {size} bytes exceeds limits.max_header_bytes={self._max_header}"
+            )
+        prefix, nbufs = PREFIX_STRUCT.unpack_from(view)
+        if prefix != PREFIX:
+            if prefix[:3] != PREFIX[:3]:
+                raise DecodeError(f"not a tensorwire header (magic {bytes(prefix[:3])!r})")
+            raise DecodeError(
+                f"unsupported header version {prefix[3]} (this decoder reads {PREFIX[3]})"
+            )
+        if nbufs != len(buffers):
+            raise DecodeError(f"header announces {nbufs} buffers, {len(buffers)} were given")
+        if nbufs > self._max_buffers:
+            raise DecodeError(f"{nbufs} buffers exceed limits.max_buffers={self._max_buffers}")
+        if not nbufs and self._used is _NO_BUFFERS:
+            # No buffers and (at the top level) idle state: nothing to save,
+            # and the state is back to idle when unpackb returns (_nested
+            # restores the depth). The common small-RPC case.
+            try:
+                value = msgpack.unpackb(body, ext_hook=self._ext_hook, strict_map_key=False)
+            except Exception as exc:  # trust nothing; see below
+                raise _as_decode_error(exc) from None
+            if size - PREFIX_SIZE > self._max_depth:
+                self._check_depth(value, 0)
+            return value
+        # Save and restore the per-call state: a registered decode function may
+        # call this decoder again.
+        saved = (self._bufs, self._used, self._taken, self._depth)
+        self._bufs = buffers
+        self._used = bytearray(nbufs) if nbufs else _NO_BUFFERS
+        self._taken = 0
+        self._depth = 0
+        try:
+            try:
+                # unpackb bounds every str/bin/array/map/ext length by len(body).
+                value = msgpack.unpackb(body, ext_hook=self._ext_hook, strict_map_key=False)
+            except Exception as exc:  # msgpack and NumPy raise assorted types; trust nothing
+                raise _as_decode_error(exc) from None
+            if self._taken != nbufs:
+                unused = [i for i in range(nbufs) if not self._used[i]]
+                raise DecodeError(f"buffers {unused} are not referenced by the header")
+        finally:
+            self._bufs, self._used, self._taken, self._depth = saved
+        if size - PREFIX_SIZE > self._max_depth:
+            # Nesting needs at least a byte per level, so only a header longer
+            # than max_depth can be too deep; skip the walk for small ones.
+            self._check_depth(value, 0)
+        return value
+
+    def _check_depth(self, value: Any, depth: int) -> None:
+        if depth > self._max_depth:
+            raise DecodeError(f"value nests deeper than limits.max_depth={self._max_depth}")
+        t = type(value)
+        if t is dict:
+            for k, v in value.items():
+                if type(k) is tuple:
+                    self._check_depth(k, depth + 1)
+                if type(v) in _CONTAINERS:
+                    self._check_depth(v, depth + 1)
+        elif t is list or t is tuple:
+            for v in value:
+                if type(v) in _CONTAINERS:
+                    self._check_depth(v, depth + 1)
+
+    def _take(self, ref: int) -> Any:
+        if ref >= len(self._used):
+            raise DecodeError(f"buffer index {ref} out of range: {len(self._used)} buffers given")
+        if self._used[ref]:
+            raise DecodeError(f"buffer {ref} is referenced twice")
+        self._used[ref] = 1
+        self._taken += 1
+        return self._bufs[ref]
+
+    def _ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_ARRAY:
+            # Fast path, inlined here to save a call per array: the common
+            # C-ordered, out-of-band NumPy array in a transport's 1-D uint8
+            # buffer. Anything else (or any failed check) takes the general
+            # path in _decode_array, which does the same checks and says why.
+            size = len(data)
+            if size >= ARRAY_HEAD_SIZE:
+                kind, dcode, flags, ndim, _, ref = ARRAY_HEAD.unpack_from(data)
+                if (
+                    kind == KIND_NDARRAY
+                    and flags == 0
+                    and size == ARRAY_HEAD_SIZE + 8 * ndim <= _FAST_MAX
+                ):
+                    dtype = CODE_TO_DTYPE[dcode]
+                    used = self._used
+                    if dtype is not None and ref < len(used) and not used[ref]:
+                        shape = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
+                        count = shape[0] if ndim == 1 else math.prod(shape)
+                        buf = self._bufs[ref]
+                        nbytes = count * dtype.itemsize
+                        tb = type(buf)
+                        arr = None
+                        if 0 < count <= self._max_elements:
+                            if tb is np.ndarray and buf.dtype is _U8 and buf.shape == (nbytes,):
+                                # 1-D uint8 of the right size; view() itself refuses a
+                                # non-contiguous one (-> general path, which says why).
+                                try:  # (try is free in 3.11; suppress() is not)
+                                    arr = buf.view(dtype)
+                                except ValueError:
+                                    arr = None
+                            elif tb is memoryview and buf.nbytes == nbytes and buf.c_contiguous:
+                                arr = np.frombuffer(buf, dtype=dtype)  # e.g. in-process
+                        if arr is not None:
+                            used[ref] = 1
+                            self._taken += 1
+                            if not arr.flags.aligned:
+                                arr = arr.copy()  # see the class docstring
+                            return arr if ndim == 1 else arr.reshape(shape)
+                elif kind == KIND_NDARRAY and flags == FLAG_INLINE and ndim <= MAX_NDIM and not ref:
+                    # Inline fast path: small C-ordered array in the descriptor.
+                    offset = ARRAY_HEAD_SIZE + 8 * ndim
+                    dtype = CODE_TO_DTYPE[dcode]
+                    if dtype is not None and size >= offset:
+                        shape = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
+                        count = shape[0] if ndim == 1 else math.prod(shape)
+                        nbytes = count * dtype.itemsize
+                        if 0 < count <= self._max_elements and size - offset == nbytes:
+                            # A copy: the header's bytes are immutable, and the
+                            # result must be writable like any decoded array.
+                            arr = np.frombuffer(data, dtype, count, offset).copy()
+                            return arr if ndim == 1 else arr.reshape(shape)
+            return self._decode_array(data)
+        if code == EXT_TUPLE:
+            return tuple(self._nested(data, "tuple"))
+        if code == EXT_BYTES:
+            if len(data) != 4:
+                raise DecodeError("bytes reference must be a 4-byte buffer index")
+            ref = U32.unpack(data)[0]
+            host, _ = _buffers.host_bytes(self._take(ref), ref)
+            return host.tobytes()  # bytes are immutable: one copy, documented
+        if code in (EXT_BYTEARRAY, EXT_MEMORYVIEW):
+            return self._decode_bytes_like(code, data)
+        if code == EXT_COMPLEX:
+            if len(data) != COMPLEX.size:
+                raise DecodeError(f"complex must be {COMPLEX.size} bytes, got {len(data)}")
+            real, imag = COMPLEX.unpack(data)
+            return complex(real, imag)
+        if code == EXT_BIGINT:
+            if not data:
+                raise DecodeError("empty big int")
+            return int.from_bytes(data, "little", signed=True)
+        if code == EXT_REGISTERED:
+            return self._decode_registered(data)
+        raise DecodeError(f"unknown ext type code {code}")
+
+    def _nested(self, data: bytes, what: str) -> Any:
+        self._depth += 1
+        if self._depth > self._max_depth:
+            raise DecodeError(f"value nests deeper than limits.max_depth={self._max_depth}")
+        try:
+            value = msgpack.unpackb(
+                data, ext_hook=self._ext_hook, strict_map_key=False, use_list=True
+            )
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"malformed {what}: {type(exc).__qualname__}: {exc}") from None
+        finally:
+            self._depth -= 1
+        if what == "tuple" and type(value) is not list:
+            raise DecodeError("malformed tuple: payload is not a msgpack array")
+        return value
+
+    def _decode_bytes_like(self, code: int, data: bytes) -> Any:
+        if not data:
+            raise DecodeError("empty bytearray/memoryview payload")
+        mode = data[0]
+        if mode == BYTES_INLINE:
+            raw = bytearray(memoryview(data)[1:])
+        elif mode == BYTES_OUT_OF_BAND:
+            if len(data) != 5:
+                raise DecodeError("bytearray/memoryview reference must be a 4-byte buffer index")
+            ref = U32.unpack_from(data, 1)[0]
+            host, _ = _buffers.host_bytes(self._take(ref), ref)
+            if code == EXT_MEMORYVIEW:
+                return as_memoryview(host)  # a view of the received buffer
+            return bytearray(host)  # bytearray owns its memory: one copy
+        else:
+            raise DecodeError(f"unknown bytes mode {mode}")
+        return raw if code == EXT_BYTEARRAY else memoryview(raw)
+
+    def _decode_registered(self, data: bytes) -> Any:
+        item = self._nested(data, "registered value")
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
+            raise DecodeError("malformed registered value: expected [name, value]")
+        name, inner = item
+        entry = self._registry.for_name(name)
+        if entry is None:
+            raise DecodeError(f"unknown registered type name {name!r}")
+        self._check_depth(inner, self._depth + 1)
+        try:
+            return entry.decode(inner)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(
+                f"decode function of registered type {name!r} raised {exc!r}"
+            ) from exc
+
+    def _decode_array(self, data: bytes) -> Any:
+        size = len(data)
+        if size < ARRAY_HEAD_SIZE:
+            raise DecodeError(f"array descriptor of {size} bytes is truncated")
+        kind, code, flags, ndim, device, ref = ARRAY_HEAD.unpack_from(data)
+        if ndim > MAX_NDIM:
+            raise DecodeError(f"array claims {ndim} dims, at most {MAX_NDIM} allowed")
+        if flags & ~FLAGS_KNOWN:
+            raise DecodeError(f"unknown array flags {flags:#x}")
+        offset = ARRAY_HEAD_SIZE + 8 * ndim
+        if size < offset:
+            raise DecodeError(f"array descriptor of {size} bytes is truncated (ndim {ndim})")
+        shape: tuple[int, ...] = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
+        stored_shape = shape
+        if flags & FLAG_BROADCAST:
+            if size < offset + 8:
+                raise DecodeError("array descriptor is truncated (broadcast mask)")
+            mask = U64.unpack_from(data, offset)[0]
+            offset += 8
+            if not mask or mask >> ndim:
+                raise DecodeError(f"broadcast mask {mask:#x} invalid for {ndim} dims")
+            stored_shape = tuple(1 if mask >> a & 1 else d for a, d in enumerate(shape))
+        # Bound the logical size with Python ints (no overflow) before NumPy
+        # sees the shape; zero dims count as one so (0, 2**64-1) is refused too.
+        bound = math.prod([d or 1 for d in shape])
+        if bound > self._limits.max_array_elements:
+            raise DecodeError(
+                f"array shape {shape} exceeds limits.max_array_elements="
+                f"{self._limits.max_array_elements}"
+            )
+        count = math.prod(stored_shape)
+        inline = bool(flags & FLAG_INLINE)
+        if inline:
+            if ref:
+                raise DecodeError("inline array with a buffer index")
+            payload: Any = memoryview(data)[offset:]
+        elif size != offset:
+            raise DecodeError(f"array descriptor has {size - offset} trailing bytes")
+        else:
+            payload = self._take(ref)
+        if kind in (KIND_NDARRAY, KIND_NPSCALAR):
+            why = _numpy.check_flags(kind, flags)
+            if why is not None:
+                raise DecodeError(why)
+            if kind == KIND_NPSCALAR and ndim:
+                raise DecodeError("a NumPy scalar has 0 dims")
+            dtype = _dtype_or_error(code)
+            nbytes = count * dtype.itemsize
+            if inline:
+                if len(payload) != nbytes:
+                    raise DecodeError(
+                        f"inline array data has {len(payload)} bytes, shape {shape} of "
+                        f"{dtype.str} needs {nbytes}"
+                    )
+                if kind == KIND_NPSCALAR:
+                    return np.frombuffer(payload, dtype=dtype)[0]
+                # Copied so it is writable like out-of-band arrays (<threshold).
+                host = np.frombuffer(bytearray(payload), dtype=np.uint8)
+            else:
+                if _buffers.is_device(payload):
+                    raise DecodeError(
+                        f"buffer {ref} is a device buffer, the header wants a NumPy array"
+                    )
+                host, _ = _buffers.host_bytes(payload, ref)
+                if host.nbytes != nbytes:
+                    raise DecodeError(
+                        f"buffer {ref} has {host.nbytes} bytes, shape {shape} of "
+                        f"{dtype.str} needs {nbytes}"
+                    )
+            return _numpy.decode_ndarray(dtype, flags, shape, stored_shape, host)
+        if kind == KIND_TORCH:
+            if flags & (FLAG_BROADCAST | FLAG_FORTRAN):
+                raise DecodeError(f"flags {flags:#x} not valid for a torch tensor")
+            _lazy("torch", "a torch tensor")
+            from . import _torch
+
+            # torch's own table: bfloat16/float8 must not need ml_dtypes here.
+            itemsize = _torch.itemsize(code)
+            if itemsize is None:
+                raise DecodeError(f"unknown torch dtype code {code}")
+            nbytes = count * itemsize
+            if inline and len(payload) != nbytes:
+                raise DecodeError(f"inline tensor data has {len(payload)} bytes, needs {nbytes}")
+            try:
+                return _torch.decode_tensor(
+                    code, flags, device, shape, nbytes, payload, ref, inline
+                )
+            except DecodeError:
+                raise
+            except Exception as exc:
+                raise DecodeError(f"cannot build torch tensor: {exc}") from None
+        if kind == KIND_CUPY:
+            _lazy("cupy", "a CuPy array")
+            from . import _cupy
+
+            dtype = _dtype_or_error(code)
+            try:
+                return _cupy.decode_cupy(
+                    dtype, flags, device, shape, count * dtype.itemsize, payload, ref, inline
+                )
+            except DecodeError:
+                raise
+            except Exception as exc:
+                raise DecodeError(f"cannot build CuPy array: {exc}") from None
+        raise DecodeError(f"unknown array kind {kind}")
+
+
+def _as_decode_error(exc: Exception) -> DecodeError:
+    """Translate an exception raised while unpacking into a DecodeError that says why."""
+    if isinstance(exc, DecodeError):
+        return exc
+    if isinstance(exc, msgpack.ExtraData):
+        return DecodeError("trailing bytes after the value in the header")
+    if isinstance(exc, msgpack.StackError | RecursionError):
+        return DecodeError("header nests deeper than msgpack allows")
+    if isinstance(exc, UnicodeDecodeError):
+        return DecodeError(f"invalid UTF-8 in a header string: {exc}")
+    if isinstance(exc, ValueError | TypeError):  # TypeError: e.g. an unhashable dict key
+        return DecodeError(f"malformed header: {exc}")
+    return DecodeError(f"malformed header: {type(exc).__qualname__}: {exc}")
+
+
+def _dtype_or_error(code: int) -> np.dtype[Any]:
+    dtype = _dtypes.dtype_for(code)
+    if dtype is None:
+        if code in _dtypes.ML_DTYPES_CODES:
+            raise DecodeError(
+                f"dtype code {code} ({_dtypes.ML_DTYPES_CODES[code]}) needs ml_dtypes, "
+                "which is not installed"
+            )
+        raise DecodeError(f"unknown dtype code {code}")
+    return dtype
+
+
+def _lazy(module: str, what: str) -> ModuleType:
+    try:
+        return __import__(module)
+    except ImportError:
+        raise DecodeError(f"header holds {what}, but {module} is not installed") from None
+
+
+# One Encoder/Decoder per thread for the module-level functions: a cache, not
+# shared state (an Encoder reuses its Packer and is not thread-safe).
+_local = threading.local()
+
+
+def encode(obj: Any) -> tuple[bytes, list[Any]]:
+    """Encode ``obj`` with a default :class:`Encoder`; see :meth:`Encoder.encode`.
+
+    Raises:
+        EncodeError: as :meth:`Encoder.encode`.
+    """
+    try:
+        encoder: Encoder = _local.encoder
+    except AttributeError:
+        encoder = _local.encoder = Encoder()
+    return encoder.encode(obj)
+
+
+def decode(header: Any, buffers: Sequence[Any] = ()) -> Any:
+    """Decode with a default :class:`Decoder`; see :meth:`Decoder.decode`.
+
+    Decoded arrays are views of ``buffers`` and keep them alive.
+
+    Raises:
+        DecodeError: as :meth:`Decoder.decode`.
+    """
+    try:
+        decoder: Decoder = _local.decoder
+    except AttributeError:
+        decoder = _local.decoder = Decoder()
+    return decoder.decode(header, buffers)
