@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 from ..errors import ConfigError
@@ -115,6 +115,41 @@ def signature_text(signature: inspect.Signature) -> str:
     params = [p.replace(annotation=unquote(p.annotation)) for p in signature.parameters.values()]
     return str(signature.replace(parameters=params,
                                  return_annotation=unquote(signature.return_annotation)))
+
+
+ArgumentChecker = Callable[[Sequence[Any], Mapping[str, Any]], None]
+
+
+def argument_checker(signature: inspect.Signature) -> ArgumentChecker:
+    """A function that raises TypeError when arguments do not fit ``signature``.
+
+    For the common signature (named parameters, no ``*args``/``**kwargs``)
+    it checks counts and names directly, several times faster than
+    ``Signature.bind``, which every call would otherwise pay.
+    """
+    params = list(signature.parameters.values())
+    kinds = {p.kind for p in params}
+    if kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD}:
+
+        def bind(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+            signature.bind(*args, **kwargs)
+
+        return bind
+    names = [p.name for p in params]
+    required = [p.default is inspect.Parameter.empty for p in params]
+    count = len(names)
+
+    def check(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        given = len(args)
+        if given > count or (given + len(kwargs) < count and not all(
+            not required[i] or names[i] in kwargs for i in range(given, count)
+        )):
+            signature.bind(*args, **kwargs)  # raises with Python's own message
+        for key in kwargs:
+            if key not in names or names.index(key) < given:
+                signature.bind(*args, **kwargs)
+
+    return check
 
 
 def service_name(cls: type) -> str:

@@ -209,6 +209,15 @@ class Connection(abc.ABC):
             TransportError: a frame is not a usable buffer.
         """
 
+    async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
+        """Send several messages, in order, as few writes as the transport allows.
+
+        The messages do not interleave with other sends. Raises what
+        :meth:`send` raises.
+        """
+        for frames in messages:
+            await self.send(frames)
+
     @abc.abstractmethod
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
         """Receive the next message as a list of frames.

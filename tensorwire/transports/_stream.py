@@ -106,6 +106,19 @@ class StreamConnection(Connection):
                 raise self._closed_error()
             await self._send_buffers(buffers)
 
+    async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
+        # One scatter-gather write for the lot: under load (many RPC replies
+        # at once) that is one syscall instead of one per message.
+        if self.closed:
+            raise self._closed_error()
+        buffers: list[Any] = []
+        for frames in messages:
+            buffers.extend(outgoing(frames))
+        async with self._send_lock:
+            if self.closed:
+                raise self._closed_error()
+            await self._send_buffers(buffers)
+
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
         if self._ready:
             return self._ready.popleft()

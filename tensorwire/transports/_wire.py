@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ProtocolError
-from ._base import FrameInfo, check_frame_count, check_limits, host_empty, writable_view
+from ._base import (
+    ALIGNMENT,
+    FrameInfo,
+    check_frame_count,
+    check_limits,
+    default_allocator,
+    host_empty,
+    writable_view,
+)
 from .config import Limits
 
 __all__ = (
@@ -50,6 +58,24 @@ _DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
 #: DIRECT_MIN bytes are received straight into their own buffer instead.
 STAGING_SIZE = 256 * 1024
 DIRECT_MIN = 64 * 1024
+
+
+#: The default allocation of a message whose frames together are at most this
+#: large is one buffer, with each frame a 64-byte-aligned slice of it: one
+#: allocation instead of one per frame, for the many small RPC messages. The
+#: frames then keep each other's memory alive, which is bounded by this.
+SLAB_MAX = 64 * 1024
+
+
+def _slab_frames(infos: list[FrameInfo]) -> tuple[list[Any], list[memoryview]]:
+    offsets = []
+    size = 0
+    for info in infos:
+        offsets.append(size)
+        size += -(-info.nbytes // ALIGNMENT) * ALIGNMENT
+    slab = host_empty(size)
+    frames = [slab[o : o + info.nbytes] for o, info in zip(offsets, infos, strict=True)]
+    return frames, [frame.data for frame in frames]
 
 
 def check_handshake(data: bytes | bytearray | memoryview) -> None:
@@ -183,25 +209,37 @@ class FrameReader:
         """Allocate the announced message's frames with ``allocator``."""
         if self._state is not _State.ALLOCATE:
             raise RuntimeError("no message is waiting for allocation")
-        frames: list[Any] = []
-        views: list[memoryview] = []
-        for info in self._infos:
-            buffer = allocator(info)
-            frames.append(buffer)
-            if info.device == "cpu":
-                views.append(writable_view(buffer, info))
-            else:
-                # A byte stream cannot write into GPU memory: land the frame
-                # in host memory and copy it over once complete.
-                bounce = host_empty(info.nbytes)
-                self._bounce[info.index] = bounce
-                views.append(bounce.data)
+        infos = self._infos
+        if allocator is default_allocator and self._small_host_message(infos):
+            frames, views = _slab_frames(infos)
+        else:
+            frames, views = [], []
+            for info in infos:
+                buffer = allocator(info)
+                frames.append(buffer)
+                if info.device == "cpu":
+                    views.append(writable_view(buffer, info))
+                else:
+                    # A byte stream cannot write into GPU memory: land the
+                    # frame in host memory and copy it over once complete.
+                    bounce = host_empty(info.nbytes)
+                    self._bounce[info.index] = bounce
+                    views.append(bounce.data)
         self._frames = frames
         self._views = views
         self._index = 0
         self._state = _State.FRAMES
         self._next_frame()
         self._process()
+
+    @staticmethod
+    def _small_host_message(infos: list[FrameInfo]) -> bool:
+        total = 0
+        for info in infos:
+            if info.device != "cpu":
+                return False
+            total += info.nbytes
+        return total <= SLAB_MAX
 
     def _next_frame(self) -> None:
         while self._index < len(self._views):
