@@ -155,6 +155,7 @@ class FrameReader:
         self._pos = 0
         self._infos: list[FrameInfo] = []
         self._announced = 0
+        self._announced_bytes = 0
         self._frames: list[Any] = []
         self._views: list[memoryview] = []
         self._bounce: dict[int, Any] = {}
@@ -212,6 +213,20 @@ class FrameReader:
         infos = self._infos
         if allocator is default_allocator and self._small_host_message(infos):
             frames, views = _slab_frames(infos)
+            if self._end - self._start >= self._announced_bytes:
+                # The whole message is already in the read-ahead buffer: copy
+                # it out in one pass (the common case for small RPC messages).
+                staging, start = self._staging, self._start
+                for view in views:
+                    size = len(view)
+                    view[:] = staging[start : start + size]
+                    start += size
+                self._start = start
+                self.events.append(frames)
+                self._infos = []
+                self._state = _State.PRELUDE
+                self._process()
+                return
         else:
             frames, views = [], []
             for info in infos:
@@ -232,13 +247,13 @@ class FrameReader:
         self._next_frame()
         self._process()
 
-    @staticmethod
-    def _small_host_message(infos: list[FrameInfo]) -> bool:
+    def _small_host_message(self, infos: list[FrameInfo]) -> bool:
         total = 0
         for info in infos:
             if info.device != "cpu":
                 return False
             total += info.nbytes
+        self._announced_bytes = total
         return total <= SLAB_MAX
 
     def _next_frame(self) -> None:
