@@ -45,18 +45,17 @@ class Channel:
         *,
         heartbeat_timeout: float,
         ping_interval: float | None = None,
-        crowded: Callable[[], bool] = lambda: False,
     ) -> None:
         self.conn = conn
         self._on_message = on_message
         self._on_close = on_close
         self._timeout = heartbeat_timeout
         self._ping_interval = ping_interval
-        self._loop = asyncio.get_running_loop()
+        self.loop = self._loop = asyncio.get_running_loop()
         self._last_seen = self._loop.time()
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
-        self._crowded = crowded
+        self._writing = False
         self._outbox: list[list[Any]] | None = None
         self._flushed: asyncio.Future[None] | None = None
         self.error: TensorwireError | None = None
@@ -72,10 +71,10 @@ class Channel:
     async def send(self, message: Message) -> int:
         """Send ``message``; returns the bytes it took.
 
-        With several calls in flight, messages sent in the same turn of the
-        event loop are gathered and written together (one ``send_many``),
-        which is how a busy connection gets past one syscall per message.
-        A lone call is written at once, so it waits for nobody.
+        A message goes out at once. Only while a write is stuck (the socket
+        is full) do later messages queue up; the stuck writer then sends them
+        all in one ``send_many``. Gathering more eagerly would make the two
+        ends take turns instead of working at the same time.
 
         Raises:
             Unavailable: the connection is gone.
@@ -83,43 +82,35 @@ class Channel:
         if self.error is not None:
             raise _unavailable(self.error)
         frames = protocol.encode(message)
-        if self._outbox is None and not self._crowded():
-            try:
-                await self.conn.send(frames)
-            except ConnectionClosedError as exc:
-                self.close_with(exc)
-                raise _unavailable(exc) from exc
+        if self._writing:
+            if self._outbox is None:
+                self._outbox = []
+                self._flushed = self._loop.create_future()
+            self._outbox.append(frames)
+            flushed = self._flushed
+            assert flushed is not None
+            # Shielded: one sender giving up must not fail the others.
+            await asyncio.shield(flushed)
             return frames_nbytes(frames)
-        if self._outbox is None:
-            self._outbox = []
-            self._flushed = self._loop.create_future()
-            self._loop.call_soon(self._flush)
-        self._outbox.append(frames)
-        flushed = self._flushed
-        assert flushed is not None
-        # Shielded: one sender giving up must not cancel the batch's future.
-        await asyncio.shield(flushed)
-        return frames_nbytes(frames)
-
-    def _flush(self) -> None:
-        batch, self._outbox = self._outbox, None
-        flushed, self._flushed = self._flushed, None
-        assert batch is not None and flushed is not None
-        task = self._loop.create_task(self._write_batch(batch, flushed))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _write_batch(self, batch: list[list[Any]], flushed: asyncio.Future[None]) -> None:
+        self._writing = True
         try:
-            await self.conn.send_many(batch)
+            await self.conn.send(frames)
+            while self._outbox:
+                batch, self._outbox = self._outbox, None
+                flushed, self._flushed = self._flushed, None
+                assert flushed is not None
+                try:
+                    await self.conn.send_many(batch)
+                except BaseException as exc:
+                    flushed.set_exception(_unavailable(exc))
+                    raise
+                flushed.set_result(None)
         except ConnectionClosedError as exc:
             self.close_with(exc)
-            flushed.set_exception(_unavailable(exc))
-        except BaseException as exc:
-            flushed.set_exception(exc if isinstance(exc, Exception) else _unavailable(exc))
-            raise
-        else:
-            flushed.set_result(None)
+            raise _unavailable(exc) from exc
+        finally:
+            self._writing = False
+        return frames_nbytes(frames)
 
     def send_soon(self, message: Message) -> None:
         """Send without waiting (pongs, cancels); failures only close the channel."""

@@ -105,6 +105,7 @@ class _Session:
         self.ids = itertools.count(1)
         self.channel: Channel | None = None
         self.slots = asyncio.Semaphore(1)
+        self.loop = asyncio.get_running_loop()
         self.error: TensorwireError | None = None
 
     async def open(self) -> None:
@@ -131,7 +132,6 @@ class _Session:
             self._on_close,
             heartbeat_timeout=config.heartbeat_timeout,
             ping_interval=config.heartbeat_interval,
-            crowded=lambda: len(self.pending) > 1,
         )
         self.channel.start()
 
@@ -289,9 +289,11 @@ class Client:
             return await self._call_once(method, args, kwargs, deadline)
 
     def _deadline(self, timeout: float | None) -> float:
-        return asyncio.get_running_loop().time() + (
-            self.config.timeout if timeout is None else timeout
-        )
+        session = self._session
+        # The session's loop when connected: get_running_loop() asks the OS
+        # for the pid on every call on Python 3.11.
+        loop = session.loop if session is not None else asyncio.get_running_loop()
+        return loop.time() + (self.config.timeout if timeout is None else timeout)
 
     async def _call_once(
         self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
@@ -341,9 +343,9 @@ class Client:
         A timer on the loop, not ``asyncio.timeout``: this runs for every
         call, and the timer costs a fraction of the context manager.
         """
-        loop = asyncio.get_running_loop()
+        loop = session.loop
         call_id, pending = self._register(session, method, streaming=False)
-        task = asyncio.current_task()
+        task = asyncio.current_task(loop)
         assert task is not None
         timer = loop.call_at(deadline, pending.expire, task)
         pump: asyncio.Task[None] | None = None
@@ -465,7 +467,7 @@ class Client:
         if session.error is not None:
             raise Unavailable(f"connection to {self.address} lost: {session.error}")
         call_id = next(session.ids)
-        pending = _Pending(asyncio.get_running_loop(), streaming)
+        pending = _Pending(session.loop, streaming)
         session.pending[call_id] = pending
         self._call_names[call_id] = method
         return call_id, pending

@@ -238,8 +238,7 @@ class _Session:
         self.client_name = client_name
         self.calls: dict[int, _Call] = {}
         self.channel = Channel(conn, self._on_message, self._on_close,
-                               heartbeat_timeout=server.config.heartbeat_timeout,
-                               crowded=lambda: len(self.calls) > 1)
+                               heartbeat_timeout=server.config.heartbeat_timeout)
         self._accepting = True
         self._done = asyncio.Event()
 
@@ -383,7 +382,10 @@ class _Call:
         self.instream: _InStream | None = None
         self.metrics: MethodMetrics | None = None
         self._expired = False
-        self.task = asyncio.get_running_loop().create_task(self._run())
+        # The session's loop, not get_running_loop(): on Python 3.11 that asks
+        # the OS for the pid every time, and this runs for every call.
+        self._loop = session.channel.loop
+        self.task = self._loop.create_task(self._run())
 
     def grant(self, count: int) -> None:
         self._credit += max(0, count)
@@ -419,7 +421,7 @@ class _Call:
                 # for every call, and the timer is a fraction of the cost.
                 timer = None
                 if request.timeout is not None:
-                    timer = asyncio.get_running_loop().call_later(request.timeout, self._expire)
+                    timer = self._loop.call_later(request.timeout, self._expire)
                 try:
                     if handler.info.streaming:
                         await self._stream(handler, args, kwargs)
