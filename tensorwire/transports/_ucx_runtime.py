@@ -1,0 +1,329 @@
+"""The process's UCX state for ucx://: options, context, worker and progress.
+
+UCX takes most settings from ``UCX_*`` environment variables, read when the
+library loads and when a context is created, and ``import ucxx`` sets some of
+them itself. So :func:`acquire` applies ``UCXOptions.ucx_environment()`` to
+``os.environ`` once per process, right before ucxx is first imported, and
+refuses (``ConfigError``) a later call that asks for different settings.
+
+We use ucxx's synchronous core (``ucxx._lib.libucxx``) with a context and a
+worker of our own rather than its asyncio layer (the global
+``ucxx.core._ctx``): that layer waits for every request by polling it with
+``await asyncio.sleep(0)``, so a receive posted on an idle connection spins a
+core, and its "blocking" mode does not re-arm the worker after an event.
+Instead :class:`Runtime` drives the worker from the event loop the way UCX's
+wakeup API is meant to be used: progress, then ``ucp_worker_arm``; when the
+worker is armed the loop sleeps on its epoll descriptor until UCX has news,
+so an idle connection costs nothing. Completed requests are found after each
+progress and their callbacks run on the loop.
+
+The runtime is reference counted: listeners and connections hold it, and when
+the last one is gone the worker and context are destroyed, so a process (or
+a test suite, with one event loop per test) leaves no UCX state behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConfigError, TransportError, UnsupportedTransportError
+from .config import UCXOptions
+
+__all__ = ("Runtime", "acquire", "active_runtime", "applied_environment")
+
+logger = logging.getLogger(__name__)
+
+#: A progress pass that ends with the worker still busy (``arm`` refused) is
+#: followed by up to this many more before we yield to the loop.
+_PROGRESS_ROUNDS = 16
+#: After a request completes, keep polling this long (seconds) before the
+#: worker is armed and the loop sleeps: in a ping-pong the answer usually
+#: comes within it, and a poll costs far less than an epoll wake-up. Once
+#: traffic stops, the loop sleeps again, so idle connections stay free.
+_SPIN_S = 200e-6
+#: While requests are in flight, progress at least this often (seconds) even
+#: without an event: a safety net for a transport that signals no event.
+_WATCHDOG_S = 0.5
+
+#: The UCX environment applied in this process (None until the first use).
+_applied_env: dict[str, str] | None = None
+#: The live runtime, if any (the process has at most one UCX worker).
+_runtime: Runtime | None = None
+
+Callback = Callable[[Any], None]
+
+
+def applied_environment() -> dict[str, str] | None:
+    """The ``UCX_*`` settings ucx:// applied to this process, if any yet."""
+    return None if _applied_env is None else dict(_applied_env)
+
+
+def _apply_environment(options: UCXOptions) -> None:
+    """Put ``options`` into ``os.environ`` before ucxx is first imported.
+
+    Raises:
+        ConfigError: UCX was already set up in this process with other options.
+    """
+    global _applied_env
+    wanted = options.ucx_environment()
+    if _applied_env is not None:
+        if wanted != _applied_env:
+            raise ConfigError(
+                "UCX options are fixed once per process, when ucx:// is first used: "
+                f"this process runs with {_applied_env}, a later call asked for {wanted}"
+            )
+        return
+    if "ucxx" in sys.modules:
+        # Someone imported ucxx before us: options UCX reads at load time may
+        # not apply; those read when a context is created (UCX_TLS,
+        # UCX_RNDV_SCHEME, ...) still do.
+        logger.debug("ucxx was imported before ucx:// first ran; applying %s late", wanted)
+    # UCX warns on stdout about variables it does not know, and ucxx sets one
+    # (UCX_MEMTYPE_CACHE) that UCX >= 1.19 no longer has.
+    if "UCX_WARN_UNUSED_ENV_VARS" not in os.environ and "UCX_WARN_UNUSED_ENV_VARS" not in wanted:
+        os.environ["UCX_WARN_UNUSED_ENV_VARS"] = "n"
+    os.environ.update(wanted)
+    _applied_env = wanted
+
+
+def _import_ucxx() -> Any:
+    try:
+        import ucxx._lib.libucxx as ucx_api
+    except ImportError as exc:
+        raise UnsupportedTransportError(
+            f"ucx:// needs the ucxx package (pip install ucxx-cu12): {exc}"
+        ) from exc
+    return ucx_api
+
+
+def active_runtime() -> Runtime | None:
+    """The live runtime, if a ucx:// listener or connection exists."""
+    return _runtime
+
+
+def acquire(options: UCXOptions) -> Runtime:
+    """The process's UCX runtime on the running loop, with one more reference.
+
+    Call :meth:`Runtime.release` once for each successful call.
+
+    Raises:
+        ConfigError: other UCX options than the process already runs with, or
+            a progress mode this transport does not drive.
+        UnsupportedTransportError: ucxx is not installed.
+        TransportError: UCX could not start, or ucx:// is in use on another
+            event loop.
+    """
+    global _runtime
+    if options.progress_mode not in ("blocking", "polling"):
+        raise ConfigError(
+            f"ucx:// drives UCX from the event loop and supports the 'blocking' and "
+            f"'polling' progress modes, not {options.progress_mode!r}"
+        )
+    loop = asyncio.get_running_loop()
+    _apply_environment(options)
+    runtime = _runtime
+    if runtime is not None and runtime.loop is not loop:
+        if not runtime.loop.is_closed():
+            raise TransportError(
+                "ucx:// is already in use on another event loop; UCX runs on one loop per process"
+            )
+        # The loop that owned it was closed with connections left open.
+        runtime.destroy()
+        runtime = None
+    if runtime is not None and runtime.progress_mode != options.progress_mode:
+        raise ConfigError(
+            f"ucx:// is running in progress mode {runtime.progress_mode!r}; "
+            f"{options.progress_mode!r} was asked while it is in use"
+        )
+    if runtime is None:
+        runtime = Runtime(loop, options.progress_mode)
+        _runtime = runtime
+    runtime.refs += 1
+    return runtime
+
+
+class Runtime:
+    """A UCX context and worker, progressed by an asyncio event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, progress_mode: str) -> None:
+        self.api = _import_ucxx()
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMaskFull
+
+        self.Array = Array
+        self.Tag = Tag
+        self.TagMaskFull = TagMaskFull
+        self.loop = loop
+        self.progress_mode = progress_mode
+        self.refs = 0
+        api = self.api
+        try:
+            self.context = api.UCXContext({}, feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
+            self.worker = api.UCXWorker(self.context)
+            self.worker.init_blocking_progress_mode()
+            self._fd: int | None = self.worker.epoll_file_descriptor
+        except Exception as exc:
+            raise translate(self, exc, "cannot start UCX") from exc
+        self.address: bytes = self.worker.address.tobytes()
+        self.cuda_support: bool = bool(self.context.cuda_support)
+        self._pending: list[tuple[Any, Any, Callback]] = []
+        self._scheduled = False
+        self._last_completion = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._ids: set[int] = set()
+        assert self._fd is not None
+        loop.add_reader(self._fd, self._run)
+        logger.debug("UCX worker started (progress mode %s)", progress_mode)
+        self.kick()
+
+    # -- lifetime --------------------------------------------------------------
+
+    def release(self) -> None:
+        """Drop one reference; the last one destroys the worker and context."""
+        self.refs -= 1
+        if self.refs <= 0:
+            self.destroy()
+
+    def destroy(self) -> None:
+        """Tear the worker and context down (endpoints must be closed first)."""
+        global _runtime
+        if _runtime is self:
+            _runtime = None
+        if self._fd is None:
+            return
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self._fd)
+        self._fd = None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        # Let cancelled requests finish so UCX no longer writes into buffers
+        # we are about to drop.
+        for _ in range(_PROGRESS_ROUNDS):
+            if not self._pending:
+                break
+            self._progress()
+        for _, _, callback in self._pending:
+            callback(None)
+        self._pending.clear()
+        del self.worker
+        del self.context
+        logger.debug("UCX worker stopped")
+
+    @property
+    def alive(self) -> bool:
+        """False once destroyed."""
+        return self._fd is not None
+
+    def new_id(self) -> int:
+        """A 32-bit connection id, unique among this worker's connections."""
+        while True:
+            cid = secrets.randbits(32)
+            if cid and cid not in self._ids:
+                self._ids.add(cid)
+                return cid
+
+    def free_id(self, cid: int) -> None:
+        """Return a connection id."""
+        self._ids.discard(cid)
+
+    # -- requests ---------------------------------------------------------------
+
+    def watch(self, request: Any, keep: Any, callback: Callback) -> None:
+        """Call ``callback(request)`` on the loop once ``request`` completes.
+
+        ``keep`` (the request's buffer) stays referenced until then: UCX may
+        write into it until the request is complete or cancelled.
+        """
+        self._pending.append((request, keep, callback))
+        self.kick()
+
+    def kick(self) -> None:
+        """Progress the worker soon (after posting a request)."""
+        if not self._scheduled and self._fd is not None:
+            self._scheduled = True
+            self.loop.call_soon(self._run)
+
+    def _progress(self) -> None:
+        self.worker.progress()
+        pending = self._pending
+        if not pending:
+            return
+        done = [entry for entry in pending if entry[0].completed]
+        if not done:
+            return
+        self._pending = [entry for entry in pending if not entry[0].completed]
+        self._last_completion = self.loop.time()
+        for request, _, callback in done:
+            try:
+                callback(request)
+            except Exception:
+                logger.exception("UCX completion callback failed")
+
+    def _run(self) -> None:
+        self._scheduled = False
+        if self._fd is None:
+            return
+        try:
+            for _ in range(_PROGRESS_ROUNDS):
+                self._progress()
+                if not self.alive:
+                    # A completion callback released the last reference.
+                    return
+                if self._pending and (
+                    self.progress_mode == "polling"
+                    or self.loop.time() - self._last_completion < _SPIN_S
+                ):
+                    # Polling trades a core for latency while requests wait.
+                    break
+                if self.worker.arm():
+                    # Armed: the epoll descriptor wakes us when UCX has news.
+                    self._arm_watchdog()
+                    return
+        except Exception:
+            logger.exception("UCX progress failed")
+        self.kick()
+
+    def _arm_watchdog(self) -> None:
+        if self._pending and self._watchdog is None:
+            self._watchdog = self.loop.call_later(_WATCHDOG_S, self._on_watchdog)
+
+    def _on_watchdog(self) -> None:
+        self._watchdog = None
+        self._run()
+
+
+def translate(runtime: Runtime | None, exc: BaseException, what: str) -> TransportError:
+    """A tensorwire error for a UCX (or buffer) exception."""
+    from ..errors import ConnectionClosedError
+
+    if isinstance(exc, TransportError):
+        return exc
+    closed_names = (
+        "UCXCanceledError",
+        "UCXCloseError",
+        "UCXConnectionResetError",
+        "UCXEndpointTimeoutError",
+        "UCXNotConnectedError",
+        "UCXUnreachableError",
+    )
+    name = ucx_error_name(exc)
+    error: TransportError
+    if name in closed_names:
+        error = ConnectionClosedError(f"{what}: {name}: {exc}")
+    else:
+        error = TransportError(f"{what}: {name}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def ucx_error_name(exc: BaseException) -> str:
+    """The UCX exception's name without the binding's prefix (``UCXX...`` -> ``UCX...``)."""
+    name = type(exc).__name__
+    return "UCX" + name[4:] if name.startswith("UCXX") else name
