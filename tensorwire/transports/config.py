@@ -30,7 +30,7 @@ class Limits:
     """
 
     max_frame_bytes: int = 4 * GiB
-    max_frames: int = 1 << 17
+    max_frames: int = 16384
     max_message_bytes: int = 8 * GiB
 
     def __post_init__(self) -> None:
