@@ -9,7 +9,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterable, AsyncIterator, Generator
 from typing import Any, TypeVar, cast
 
 from .. import serde
@@ -25,8 +25,8 @@ from ..transports import connect as transport_connect
 from . import protocol
 from ._channel import Channel
 from ._metrics import Metrics
+from ._proxy import Proxy
 from .config import ClientConfig
-from .service import describe, service_name
 
 __all__ = ("Client", "connect")
 
@@ -493,7 +493,7 @@ class Client:
 
         Unary methods return awaitables, streaming methods async iterators.
         """
-        return cast(S, _Proxy(self, cls, timeout))
+        return cast(S, Proxy(self, cls, timeout))
 
     async def services(self) -> list[dict[str, Any]]:
         """What the server hosts: services, methods, signatures, docstrings."""
@@ -501,38 +501,6 @@ class Client:
             "tensorwire.Reflection.services", idempotent=True
         )
         return result
-
-
-class _Proxy:
-    def __init__(self, client: Client, cls: type, timeout: float | None) -> None:
-        self._client = client
-        self._name = service_name(cls)
-        self._methods = {attr: info for _, (attr, info) in describe(cls).items()}
-        self._timeout = timeout
-
-    def __getattr__(self, attr: str) -> Callable[..., Any]:
-        info = self._methods.get(attr)
-        if info is None:
-            raise AttributeError(f"{self._name} has no remote method {attr!r}")
-        full = f"{self._name}.{info.name}"
-        client, timeout = self._client, self._timeout
-        if info.streaming:
-
-            def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-                return client.stream(full, *args, timeout=timeout, **kwargs)
-
-            stream.__doc__ = info.doc
-            return stream
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await client.call(full, *args, timeout=timeout,
-                                     idempotent=info.idempotent, **kwargs)
-
-        call.__doc__ = info.doc
-        return call
-
-    def __repr__(self) -> str:
-        return f"<proxy {self._name} at {self._client.address}>"
 
 
 def _channel(session: _Session) -> Channel:

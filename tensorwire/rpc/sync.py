@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar, cast
 
+from ._proxy import Proxy
 from .client import Client
 from .config import ClientConfig
-from .service import describe, service_name
 
 __all__ = ("SyncClient",)
 
@@ -87,7 +87,7 @@ class SyncClient:
 
     def proxy(self, cls: type[S], *, timeout: float | None = None) -> S:
         """A typed stand-in for ``cls`` with blocking methods (streams: iterators)."""
-        return cast(S, _SyncProxy(self, cls, timeout))
+        return cast(S, Proxy(self, cls, timeout))
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """See ``Client.metrics``."""
@@ -120,22 +120,3 @@ async def _aclose(iterator: Any) -> None:
 
 async def _value(fn: Callable[[], T]) -> T:
     return fn()
-
-
-class _SyncProxy:
-    def __init__(self, client: SyncClient, cls: type, timeout: float | None) -> None:
-        self._client = client
-        self._name = service_name(cls)
-        self._methods = {attr: info for _, (attr, info) in describe(cls).items()}
-        self._timeout = timeout
-
-    def __getattr__(self, attr: str) -> Callable[..., Any]:
-        info = self._methods.get(attr)
-        if info is None:
-            raise AttributeError(f"{self._name} has no remote method {attr!r}")
-        full = f"{self._name}.{info.name}"
-        client, timeout = self._client, self._timeout
-        if info.streaming:
-            return lambda *a, **k: client.stream(full, *a, timeout=timeout, **k)
-        return lambda *a, **k: client.call(full, *a, timeout=timeout,
-                                           idempotent=info.idempotent, **k)

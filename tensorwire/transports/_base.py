@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -250,6 +251,23 @@ class Connection(abc.ABC):
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<{type(self).__name__} {self.local_address} -> {self.peer_address} {state}>"
+
+
+async def serve_connection(handler: ConnectionHandler, conn: Connection) -> None:
+    """Run a listener's handler on ``conn``, which the handler then owns.
+
+    A handler that raises is logged and its connection aborted; the listener
+    and its other connections go on. Cancellation (the listener closing)
+    aborts the connection too.
+    """
+    try:
+        await handler(conn)
+    except asyncio.CancelledError:
+        conn.abort()
+        raise
+    except Exception:
+        logger.exception("connection handler for %s failed", conn.peer_address)
+        conn.abort()
 
 
 class Listener(abc.ABC):

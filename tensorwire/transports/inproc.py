@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -32,14 +31,13 @@ from ._base import (
     device_nbytes,
     host_view,
     is_device_frame,
+    serve_connection,
     writable_view,
 )
 from ._registry import Backend
 from .config import TransportConfig
 
 __all__ = ("InprocBackend", "InprocConnection", "InprocListener", "backend")
-
-logger = logging.getLogger(__name__)
 
 class _Inbox:
     """A bounded queue of messages that can be shut, waking everyone."""
@@ -220,13 +218,7 @@ class InprocListener(Listener):
 
     async def _serve(self, conn: InprocConnection) -> None:
         try:
-            await self._on_connection(conn)
-        except asyncio.CancelledError:
-            conn.abort()
-            raise
-        except Exception:
-            logger.exception("connection handler for %s failed", conn.peer_address)
-            conn.abort()
+            await serve_connection(self._on_connection, conn)
         finally:
             self._conns.discard(conn)
 

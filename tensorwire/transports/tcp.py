@@ -24,7 +24,7 @@ import ssl
 from typing import Any, cast
 
 from ..errors import ConnectionClosedError, TensorwireError, TransportError
-from ._base import Allocator, Connection, ConnectionHandler, Listener
+from ._base import Allocator, Connection, ConnectionHandler, Listener, serve_connection
 from ._registry import Backend, format_host_port, parse_host_port
 from ._stream import StreamConnection
 from ._wire import HANDSHAKE
@@ -377,14 +377,7 @@ class TCPListener(Listener):
                 logger.warning("dropping connection from %s: %s", conn.peer_address, exc)
             conn.abort()
             return
-        try:
-            await self._on_connection(conn)
-        except asyncio.CancelledError:
-            conn.abort()
-            raise
-        except Exception:
-            logger.exception("connection handler for %s failed", conn.peer_address)
-            conn.abort()
+        await serve_connection(self._on_connection, conn)
 
     async def close(self) -> None:
         sock, self._sock = self._sock, None

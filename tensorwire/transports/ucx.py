@@ -98,6 +98,7 @@ from ._base import (
     device_nbytes,
     host_view,
     is_device_frame,
+    serve_connection,
     writable_view,
 )
 from ._registry import Backend, parse_host_port
@@ -708,14 +709,7 @@ class UCXListener(Listener):
         except (TensorwireError, OSError, TimeoutError) as exc:
             logger.warning("dropping ucx:// connection from %s: %s", control.peer_address, exc)
             return
-        try:
-            await self._on_connection(conn)
-        except asyncio.CancelledError:
-            conn.abort()
-            raise
-        except Exception:
-            logger.exception("connection handler for %s failed", conn.peer_address)
-            conn.abort()
+        await serve_connection(self._on_connection, conn)
 
     async def close(self) -> None:
         tcp, self._tcp = self._tcp, None

@@ -1,0 +1,50 @@
+"""Typed stand-ins for service classes, for the async and the blocking client."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .service import describe, service_name
+
+__all__ = ("Proxy",)
+
+
+class _Caller(Protocol):
+    def call(self, method: str, /, *args: Any, timeout: float | None = None,
+             idempotent: bool = False, **kwargs: Any) -> Any: ...
+
+    def stream(self, method: str, /, *args: Any, timeout: float | None = None,
+               **kwargs: Any) -> Any: ...
+
+
+class Proxy:
+    """Stands in for a service class: each remote method becomes a call on
+    ``client`` (``Client`` gives awaitables, ``SyncClient`` blocking calls)."""
+
+    def __init__(self, client: _Caller, cls: type, timeout: float | None) -> None:
+        self._client = client
+        self._name = service_name(cls)
+        self._methods = {attr: info for _, (attr, info) in describe(cls).items()}
+        self._timeout = timeout
+
+    def __getattr__(self, attr: str) -> Callable[..., Any]:
+        info = self._methods.get(attr)
+        if info is None:
+            raise AttributeError(f"{self._name} has no remote method {attr!r}")
+        full = f"{self._name}.{info.name}"
+        client, timeout, idempotent = self._client, self._timeout, info.idempotent
+
+        def remote(*args: Any, **kwargs: Any) -> Any:
+            if info.streaming:
+                return client.stream(full, *args, timeout=timeout, **kwargs)
+            return client.call(full, *args, timeout=timeout, idempotent=idempotent, **kwargs)
+
+        remote.__name__ = attr
+        remote.__doc__ = info.doc
+        # Cached on the instance: later lookups skip __getattr__.
+        self.__dict__[attr] = remote
+        return remote
+
+    def __repr__(self) -> str:
+        return f"<proxy {self._name}>"
