@@ -93,21 +93,26 @@ class Channel:
             await asyncio.shield(flushed)
             return frames_nbytes(frames)
         self._writing = True
+        in_flight: asyncio.Future[None] | None = None
         try:
             await self.conn.send(frames)
             while self._outbox:
-                batch, self._outbox = self._outbox, None
-                flushed, self._flushed = self._flushed, None
-                assert flushed is not None
-                try:
-                    await self.conn.send_many(batch)
-                except BaseException as exc:
+                batch, in_flight = self._outbox, self._flushed
+                self._outbox, self._flushed = None, None
+                await self.conn.send_many(batch)
+                assert in_flight is not None
+                in_flight.set_result(None)
+                in_flight = None
+        except BaseException as exc:
+            # Whoever queued behind this write learns that it failed too.
+            queued, self._flushed, self._outbox = self._flushed, None, None
+            for flushed in (in_flight, queued):
+                if flushed is not None:
                     flushed.set_exception(_unavailable(exc))
-                    raise
-                flushed.set_result(None)
-        except ConnectionClosedError as exc:
-            self.close_with(exc)
-            raise _unavailable(exc) from exc
+            if isinstance(exc, ConnectionClosedError):
+                self.close_with(exc)
+                raise _unavailable(exc) from exc
+            raise
         finally:
             self._writing = False
         return frames_nbytes(frames)
