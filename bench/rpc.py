@@ -1,0 +1,689 @@
+"""RPC benchmark: tensorwire RPC vs its raw transports vs grpc.aio, side by side.
+
+Every variant runs as a server process and a client process (spawn context;
+UCX reads its settings once per process, so each variant gets fresh ones):
+
+- tensorwire RPC over tcp:// and ucx:// (``@rpc.method`` echo, called through
+  a typed proxy; uvloop in both processes),
+- the raw transport echo over tcp:// and ucx:// (``tensorwire.transports``
+  ``listen``/``connect`` echoing the frames, no RPC; uvloop),
+- grpc.aio unary-unary over TCP with a generic handler on bytes and identity
+  serializers (the tensor travels as ``arr.tobytes()``, is rebuilt with
+  ``np.frombuffer``; asyncio's default loop, as grpc.aio ships).
+
+Measurements: a tiny call's latency (p50/p99, one call in flight) and calls
+per second with 1 and 64 calls in flight; echo bandwidth of a float32 tensor
+of 1, 64 and 256 MiB (GB/s counting both directions, median of a few echoes
+after a warm-up). Receivers allocate a fresh buffer per message everywhere
+(the transports' default allocator), as an RPC must.
+
+    python bench/rpc.py                  # writes bench/results/rpc.md (3 rounds, ~3.5 min)
+    python bench/rpc.py --quick          # one round of shorter runs (~40 s)
+    python bench/rpc.py --profile DIR    # cProfile the 64-in-flight tcp:// case
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import platform
+import queue
+import statistics
+import struct
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results" / "rpc.md"
+MiB = 1 << 20
+SIZES = [1 * MiB, 64 * MiB, 256 * MiB]
+TINY = 7  # the value a tiny RPC echoes
+TINY_BYTES = struct.pack("<q", TINY)  # what the raw and gRPC tiny echoes carry
+GRPC_METHOD = "/bench.Echo/Echo"
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+]
+CONCURRENCY = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How much of each measurement a client runs."""
+
+    warmup_calls: int = 500
+    latency_calls: int = 5000
+    seconds: float = 3.0  # per calls-per-second measurement
+    reps: tuple[int, ...] = (50, 9, 5)  # echoes per size in SIZES, after one warm-up
+    sizes: tuple[int, ...] = tuple(SIZES)
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(warmup_calls=200, latency_calls=2000, seconds=1.0, reps=(10, 3, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "rpc", "raw" or "grpc"
+    url: str  # the server's listen URL ("" for gRPC)
+
+    @property
+    def multiplexed(self) -> bool:
+        """Whether it has call ids, so that several calls may be in flight."""
+        return self.kind != "raw"
+
+
+VARIANTS = [
+    Variant("tensorwire RPC tcp://", "rpc", "tcp://127.0.0.1:0"),
+    Variant("tensorwire RPC ucx://", "rpc", "ucx://127.0.0.1:0"),
+    Variant("raw transport tcp://", "raw", "tcp://127.0.0.1:0"),
+    Variant("raw transport ucx://", "raw", "ucx://127.0.0.1:0"),
+    Variant("grpc.aio", "grpc", ""),
+]
+
+
+# --- shared pieces -----------------------------------------------------------
+
+
+def _transport_config(url: str) -> Any:
+    from tensorwire.transports import TransportConfig, UCXOptions
+
+    if url.startswith("ucx://"):
+        return TransportConfig(ucx=UCXOptions())  # UCX's default settings on this host
+    return TransportConfig()
+
+
+def _run_loop(kind: str, main: Callable[[], Awaitable[Any]]) -> Any:
+    if kind == "grpc":
+        return asyncio.run(main())  # type: ignore[arg-type]
+    import uvloop
+
+    return uvloop.run(main())  # type: ignore[arg-type]
+
+
+class _Profile:
+    """cProfile around a process's work when ``path`` is set."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.profiler: Any = None
+
+    def __enter__(self) -> _Profile:
+        if self.path:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.profiler is not None:
+            self.profiler.disable()
+            self.profiler.dump_stats(self.path)
+
+
+def _wait_stop(stop: Any) -> Awaitable[Any]:
+    """Resolves when the parent puts anything on ``stop``."""
+    return asyncio.get_running_loop().run_in_executor(None, stop.get)
+
+
+# --- servers -----------------------------------------------------------------
+
+
+def server_main(ready: Any, stop: Any, variant: Variant, profile: str | None) -> None:
+    serve = {"rpc": _rpc_server, "raw": _raw_server, "grpc": _grpc_server}[variant.kind]
+    with _Profile(profile):
+        _run_loop(variant.kind, lambda: serve(ready, stop, variant))
+
+
+async def _rpc_server(ready: Any, stop: Any, variant: Variant) -> None:
+    import tensorwire as tw
+    from tensorwire import rpc
+
+    class Echo(rpc.Service):
+        @rpc.method
+        async def echo(self, value: Any) -> Any:
+            return value
+
+    server = tw.Server([Echo()], config=rpc.ServerConfig(transport=_transport_config(variant.url)))
+    (address,) = await server.start(variant.url)
+    ready.put(address)
+    await _wait_stop(stop)
+    await server.close(grace=1.0)
+
+
+async def _raw_server(ready: Any, stop: Any, variant: Variant) -> None:
+    from tensorwire.errors import ConnectionClosedError
+    from tensorwire.transports import listen
+
+    async def echo(conn: Any) -> None:
+        with contextlib.suppress(ConnectionClosedError):
+            while True:
+                await conn.send(await conn.recv())
+
+    listener = await listen(variant.url, echo, config=_transport_config(variant.url))
+    ready.put(listener.address)
+    await _wait_stop(stop)
+    await listener.close()
+
+
+async def _grpc_server(ready: Any, stop: Any, variant: Variant) -> None:
+    import grpc
+
+    async def echo(request: bytes, context: Any) -> bytes:
+        return request
+
+    handler = grpc.unary_unary_rpc_method_handler(
+        echo, request_deserializer=None, response_serializer=None
+    )
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ready.put(f"127.0.0.1:{port}")
+    await _wait_stop(stop)
+    await server.stop(1.0)
+
+
+# --- clients -----------------------------------------------------------------
+
+
+class _Caller:
+    """``tiny()`` and ``tensor(arr)`` echoes over one connection of a variant."""
+
+    tiny: Callable[[], Awaitable[Any]]
+    tensor: Callable[[np.ndarray[Any, Any]], Awaitable[np.ndarray[Any, Any]]]
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+class _RPCCaller(_Caller):
+    async def open(self, address: str) -> _RPCCaller:
+        import tensorwire as tw
+        from tensorwire import rpc
+
+        class Echo(rpc.Service):
+            @rpc.method
+            async def echo(self, value: Any) -> Any:
+                return value
+
+        self.client = await tw.connect(address, timeout=600,
+                                       transport=_transport_config(address))
+        proxy = self.client.proxy(Echo)
+        echo = proxy.echo
+
+        async def tiny() -> Any:
+            return await echo(TINY)
+
+        self.tiny = tiny
+        self.tensor = echo
+        return self
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class _RawCaller(_Caller):
+    async def open(self, address: str) -> _RawCaller:
+        from tensorwire.transports import connect
+
+        conn = await connect(address, config=_transport_config(address))
+        self.conn = conn
+
+        async def tiny() -> Any:
+            await conn.send([TINY_BYTES])
+            return await conn.recv()
+
+        async def tensor(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+            await conn.send([arr])
+            (frame,) = await conn.recv()
+            return np.frombuffer(frame, arr.dtype).reshape(arr.shape)
+
+        self.tiny = tiny
+        self.tensor = tensor
+        return self
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+
+class _GRPCCaller(_Caller):
+    async def open(self, address: str) -> _GRPCCaller:
+        import grpc
+
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        await self.channel.channel_ready()
+        stub = self.channel.unary_unary(
+            GRPC_METHOD, request_serializer=None, response_deserializer=None
+        )
+
+        async def tiny() -> Any:
+            return await stub(TINY_BYTES, timeout=600)
+
+        async def tensor(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+            reply = await stub(arr.tobytes(), timeout=600)
+            return np.frombuffer(reply, arr.dtype).reshape(arr.shape)
+
+        self.tiny = tiny
+        self.tensor = tensor
+        return self
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def _calls_per_second(tiny: Callable[[], Awaitable[Any]], tasks: int,
+                            seconds: float) -> float:
+    deadline = time.perf_counter() + seconds
+    done = [0] * tasks
+
+    async def worker(index: int) -> None:
+        clock = time.perf_counter
+        n = 0
+        while clock() < deadline:
+            await tiny()
+            n += 1
+        done[index] = n
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(tasks)))
+    return sum(done) / (time.perf_counter() - start)
+
+
+async def _measure(caller: _Caller, variant: Variant, plan: Plan,
+                   only_cps64: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"errors": []}
+
+    async def section(name: str, body: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await body()
+        except Exception as exc:  # one broken measurement does not hide the others
+            out["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+
+    for _ in range(plan.warmup_calls):
+        await caller.tiny()
+
+    async def latency() -> None:
+        samples = []
+        clock = time.perf_counter
+        for _ in range(plan.latency_calls):
+            start = clock()
+            await caller.tiny()
+            samples.append(clock() - start)
+        samples.sort()
+        out["p50"] = samples[len(samples) // 2]
+        out["p99"] = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+    async def cps1() -> None:
+        out["cps1"] = await _calls_per_second(caller.tiny, 1, plan.seconds)
+
+    async def cps64() -> None:
+        out["cps64"] = await _calls_per_second(caller.tiny, CONCURRENCY, plan.seconds)
+
+    if only_cps64:
+        await section("64 in flight", cps64)
+        return out
+    await section("latency", latency)
+    await section("1 in flight", cps1)
+    if variant.multiplexed:
+        await section("64 in flight", cps64)
+
+    bandwidth: dict[int, float] = {}
+    for size, reps in zip(plan.sizes, plan.reps, strict=True):
+        async def echo(size: int = size, reps: int = reps) -> None:
+            arr = np.arange(size // 4, dtype=np.float32)
+            back = await caller.tensor(arr)  # warm-up
+            if back.nbytes != arr.nbytes or back[-1] != arr[-1]:
+                raise RuntimeError("the echo came back different")
+            del back
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                back = await caller.tensor(arr)
+                times.append(time.perf_counter() - start)
+                del back
+            bandwidth[size] = 2 * size / statistics.median(times)
+
+        await section(f"{size // MiB} MiB echo", echo)
+    out["bw"] = bandwidth
+    return out
+
+
+def client_main(done: Any, address: str, variant: Variant, plan: Plan,
+                profile: str | None, only_cps64: bool) -> None:
+    cls = {"rpc": _RPCCaller, "raw": _RawCaller, "grpc": _GRPCCaller}[variant.kind]
+
+    async def main() -> dict[str, Any]:
+        caller = await cls().open(address)
+        try:
+            return await _measure(caller, variant, plan, only_cps64)
+        finally:
+            await caller.close()
+
+    try:
+        with _Profile(profile):
+            result = _run_loop(variant.kind, main)
+        done.put(("ok", result))
+    except BaseException as exc:
+        done.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+# --- orchestration -----------------------------------------------------------
+
+
+def run_variant(variant: Variant, plan: Plan, timeout: float, *,
+                profile_dir: Path | None = None, only_cps64: bool = False) -> dict[str, Any] | str:
+    """The client's results, or why the variant did not run."""
+    ctx = mp.get_context("spawn")
+    ready, stop, done = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    srv_prof = str(profile_dir / "server.prof") if profile_dir else None
+    cli_prof = str(profile_dir / "client.prof") if profile_dir else None
+    srv = ctx.Process(target=server_main, args=(ready, stop, variant, srv_prof), daemon=True)
+    srv.start()
+    cli = None
+    try:
+        try:
+            address = ready.get(timeout=60)
+        except queue.Empty:
+            return "the server did not start within 60 s" + (
+                f" (exit code {srv.exitcode})" if srv.exitcode is not None else "")
+        cli = ctx.Process(target=client_main,
+                          args=(done, address, variant, plan, cli_prof, only_cps64), daemon=True)
+        cli.start()
+        try:
+            _status, value = done.get(timeout=timeout)
+        except queue.Empty:
+            return f"timed out after {timeout:.0f} s"
+        return value  # the results, or the error text
+    finally:
+        stop.put("stop")
+        for proc in (cli, srv):
+            if proc is None:
+                continue
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+# --- the report ----------------------------------------------------------------
+
+
+def combine(results: list[dict[str, Any] | str]) -> dict[str, Any] | str:
+    """The median of each number over the rounds that ran; the first error if none did."""
+    good = [r for r in results if isinstance(r, dict)]
+    if not good:
+        return str(results[0])
+    out: dict[str, Any] = {"errors": []}
+    for r in results:
+        out["errors"] += [e for e in (r["errors"] if isinstance(r, dict) else [r])
+                          if e not in out["errors"]]
+    for key in ("p50", "p99", "cps1", "cps64"):
+        values = [r[key] for r in good if key in r]
+        if values:
+            out[key] = statistics.median(values)
+    sizes = {size for r in good for size in r.get("bw", {})}
+    out["bw"] = {size: statistics.median([r["bw"][size] for r in good if size in r["bw"]])
+                 for size in sizes}
+    return out
+
+
+def _spread(results: list[dict[str, Any] | str], key: str, fmt: Callable[[Any], str],
+            size: int | None = None) -> str:
+    values = []
+    for r in results:
+        if isinstance(r, dict):
+            value = r.get(key)
+            if size is not None:
+                value = value.get(size) if isinstance(value, dict) else None
+            if isinstance(value, int | float):
+                values.append(value)
+    if not values:
+        return "—"
+    return f"{fmt(min(values))} to {fmt(max(values))}"
+
+
+def environment() -> list[str]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import tensorwire
+
+    versions = [f"Python {platform.python_version()}", f"NumPy {np.__version__}",
+                f"tensorwire {tensorwire.__version__}"]
+    for module in ("grpc", "uvloop", "ucxx"):
+        try:
+            mod = __import__(module)
+            versions.append(f"{'grpcio' if module == 'grpc' else module} "
+                            f"{str(mod.__version__).strip()}")
+        except ImportError:
+            versions.append(f"{module} not installed")
+    return [f"- CPU: {cpu}, {os.cpu_count()} cores, loopback only; "
+            f"{platform.system()} {platform.release()}",
+            "- " + "; ".join(versions)]
+
+
+def _revision() -> str:
+    """The commit, and whether the library had uncommitted changes when this ran."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tensorwire"], cwd=root,
+                               text=True, capture_output=True, timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    changed = [line[3:] for line in dirty if line.strip()]
+    if not changed:
+        return head
+    return f"{head} + uncommitted changes to {', '.join(changed)}"
+
+
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _us(value: float | None) -> str:
+    return "—" if value is None else f"{value * 1e6:.1f}"
+
+
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def _gbps(value: float | None) -> str:
+    return "—" if value is None else f"{value / 1e9:.2f}"
+
+
+def _get(rows: dict[str, dict[str, Any] | str], name: str, key: str,
+         size: int | None = None) -> float | None:
+    row = rows.get(name)
+    if not isinstance(row, dict):
+        return None
+    value = row.get(key)
+    if size is not None:
+        value = value.get(size) if isinstance(value, dict) else None
+    return value if isinstance(value, int | float) else None
+
+
+def targets(rows: dict[str, dict[str, Any] | str], sizes: tuple[int, ...]) -> list[str]:
+    out = []
+
+    def verdict(ok: bool | None) -> str:
+        return "**not measured**" if ok is None else ("**met**" if ok else "**missed**")
+
+    for scheme in ("tcp", "ucx"):
+        rpc_p50 = _get(rows, f"tensorwire RPC {scheme}://", "p50")
+        raw_p50 = _get(rows, f"raw transport {scheme}://", "p50")
+        ok = None if rpc_p50 is None or raw_p50 is None else rpc_p50 <= 1.5 * raw_p50
+        ratio = "" if ok is None else f" ({rpc_p50 / raw_p50:.2f}x)"  # type: ignore[operator]
+        out.append(f"- Tiny-call p50 within 1.5x of the raw {scheme}:// echo: {verdict(ok)} — "
+                   f"RPC {_us(rpc_p50)} µs vs raw {_us(raw_p50)} µs{ratio}")
+    cps = _get(rows, "tensorwire RPC tcp://", "cps64")
+    grpc_cps = _get(rows, "grpc.aio", "cps64")
+    out.append(f"- ≥ 50,000 tiny calls/s with 64 in flight on one tcp:// connection: "
+               f"{verdict(None if cps is None else cps >= 50_000)} — {_rate(cps)} calls/s "
+               f"(grpc.aio {_rate(grpc_cps)} calls/s)")
+    for scheme in ("tcp", "ucx"):
+        for size in sizes:
+            rpc_bw = _get(rows, f"tensorwire RPC {scheme}://", "bw", size)
+            raw_bw = _get(rows, f"raw transport {scheme}://", "bw", size)
+            ok = None if rpc_bw is None or raw_bw is None else rpc_bw >= 0.85 * raw_bw
+            share = "" if ok is None else f" ({100 * rpc_bw / raw_bw:.0f}%)"  # type: ignore[operator]
+            out.append(f"- {size // MiB} MiB echo over {scheme}:// ≥ 85% of the raw transport: "
+                       f"{verdict(ok)} — RPC {_gbps(rpc_bw)} GB/s vs raw {_gbps(raw_bw)} GB/s"
+                       f"{share}")
+    grpc_bw = _get(rows, "grpc.aio", "bw", 64 * MiB)
+    for scheme, factor in (("tcp", 5), ("ucx", 20)):
+        rpc_bw = _get(rows, f"tensorwire RPC {scheme}://", "bw", 64 * MiB)
+        ok = None if rpc_bw is None or grpc_bw is None else rpc_bw >= factor * grpc_bw
+        times = "" if ok is None else f" ({rpc_bw / grpc_bw:.1f}x)"  # type: ignore[operator]
+        out.append(f"- 64 MiB echo over {scheme}:// ≥ {factor}x grpc.aio: {verdict(ok)} — "
+                   f"{_gbps(rpc_bw)} GB/s vs grpc.aio {_gbps(grpc_bw)} GB/s{times}")
+    return out
+
+
+def write_results(path: Path, plan: Plan, rows: dict[str, dict[str, Any] | str],
+                  command: str, elapsed: float, load_before: str,
+                  runs: dict[str, list[dict[str, Any] | str]] | None = None) -> None:
+    names = list(rows)
+
+    def cell(name: str, text: str) -> str:
+        return "did not run" if isinstance(rows[name], str) else text
+
+    out = ["# RPC benchmark", "", f"Command: `{command}` (took {elapsed:.0f} s)", "",
+           *environment(),
+           f"- tensorwire tree: {_revision()}",
+           f"- Load average (1/5/15 min) before the run {load_before}, after {_load()}: "
+           "other work on this shared 2-core host adds noise, most to the large echoes.",
+           "- tensorwire variants run uvloop in both processes; grpc.aio runs asyncio's "
+           "default loop. ucx:// uses UCX's default settings (`UCXOptions()`).",
+           "- Each variant: one server process, one client process, one connection.", ""]
+    out += ["## Tiny unary call", "",
+            f"Echo of a small value (RPC: the int {TINY}; raw transport and gRPC: 8 bytes). "
+            f"Latency over {plan.latency_calls:,} calls after {plan.warmup_calls} warm-up "
+            f"calls, one in flight; calls/s over {plan.seconds:g} s, with 1 and with "
+            f"{CONCURRENCY} concurrent tasks on the one connection. The raw transport has no "
+            "call ids, so it runs with 1 in flight only.", "",
+            "| variant | p50 (µs) | p99 (µs) | calls/s, 1 in flight | "
+            f"calls/s, {CONCURRENCY} in flight |",
+            "|---|---:|---:|---:|---:|"]
+    for name in names:
+        variant = next(v for v in VARIANTS if v.name == name)
+        many = (_rate(_get(rows, name, "cps64")) if variant.multiplexed
+                else "n/a (no call ids)")
+        out.append(f"| {name} | {cell(name, _us(_get(rows, name, 'p50')))} | "
+                   f"{cell(name, _us(_get(rows, name, 'p99')))} | "
+                   f"{cell(name, _rate(_get(rows, name, 'cps1')))} | {cell(name, many)} |")
+    out += ["", "## Tensor echo bandwidth (GB/s, both directions)", "",
+            "Echo of a float32 tensor: 2 * size / time per echo (1 GB = 1e9 bytes), the "
+            "median of " + ", ".join(f"{r} ({s // MiB} MiB)"
+                                     for s, r in zip(plan.sizes, plan.reps, strict=True))
+            + " echoes after one warm-up echo. gRPC sends `arr.tobytes()` and rebuilds "
+            "with `np.frombuffer`.", "",
+            "| variant | " + " | ".join(f"{s // MiB} MiB" for s in plan.sizes) + " |",
+            "|---|" + "---:|" * len(plan.sizes)]
+    for name in names:
+        cells = [cell(name, _gbps(_get(rows, name, "bw", s))) for s in plan.sizes]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    rounds = max((len(r) for r in (runs or {}).values()), default=1)
+    if rounds > 1 and runs:
+        out += ["", f"## Run-to-run spread (min to max over the {rounds} rounds)", "",
+                "The tables above give each number's median over the rounds (every variant "
+                "runs once per round, round-robin).", "",
+                "| variant | p50 (µs) | calls/s, 64 in flight | "
+                + " | ".join(f"{s // MiB} MiB (GB/s)" for s in plan.sizes) + " |",
+                "|---|---:|---:|" + "---:|" * len(plan.sizes)]
+        for name, results in runs.items():
+            cells = [_spread(results, "p50", _us), _spread(results, "cps64", _rate)]
+            cells += [_spread(results, "bw", _gbps, s) for s in plan.sizes]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out += ["", "## Targets", "", *targets(rows, plan.sizes), ""]
+    problems = []
+    for name, row in rows.items():
+        if isinstance(row, str):
+            problems.append(f"- {name}: did not run: {row}")
+        else:
+            problems += [f"- {name}: {error}" for error in row["errors"]]
+    if problems:
+        out += ["## What did not run", "", *problems, ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def profile(directory: Path, plan: Plan, *, cprofile: bool = True) -> None:
+    """cProfile the 64-in-flight tcp:// RPC case in both processes; print the top."""
+    import pstats
+
+    directory.mkdir(parents=True, exist_ok=True)
+    variant = VARIANTS[0]
+    result = run_variant(variant, plan, timeout=300, profile_dir=directory if cprofile else None,
+                         only_cps64=True)
+    how = "under cProfile" if cprofile else "unprofiled"
+    print(f"{variant.name}, {CONCURRENCY} in flight {how}: {result}", file=sys.stderr)
+    if not cprofile:
+        return
+    for role in ("client", "server"):
+        path = directory / f"{role}.prof"
+        if not path.exists():
+            print(f"no profile from the {role}", file=sys.stderr)
+            continue
+        print(f"\n===== {role}: top functions by self time =====")
+        pstats.Stats(str(path)).sort_stats("tottime").print_stats(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs")
+    parser.add_argument("--no-ucx", action="store_true", help="skip the ucx:// variants")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="run every variant this many times, round-robin, and report the "
+                             "median of each number (default 3, with --quick 1)")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="only cProfile tensorwire RPC over tcp:// with 64 calls in flight, "
+                             "writing DIR/client.prof and DIR/server.prof")
+    parser.add_argument("--profiler", choices=("cprofile", "none"), default="cprofile",
+                        help="with --profile: 'none' runs the case unprofiled, for an outside "
+                             "sampler (py-spy record --subprocesses -- python bench/rpc.py ...)")
+    args = parser.parse_args()
+    plan = Plan.quick() if args.quick else Plan()
+    if args.profile is not None:
+        profile(args.profile, plan, cprofile=args.profiler == "cprofile")
+        return
+    rounds = max(1, args.rounds if args.rounds is not None else (1 if args.quick else 3))
+    started, load_before = time.perf_counter(), _load()
+    runs: dict[str, list[dict[str, Any] | str]] = {}
+    for round_ in range(rounds):
+        for variant in VARIANTS:
+            if args.no_ucx and variant.url.startswith("ucx://"):
+                continue
+            print(f"round {round_ + 1}/{rounds}: {variant.name} ...", file=sys.stderr)
+            result = run_variant(variant, plan, timeout=240)
+            runs.setdefault(variant.name, []).append(result)
+            print(f"  {result}", file=sys.stderr)
+    rows = {name: combine(results) for name, results in runs.items()}
+    write_results(args.output, plan, rows, " ".join(["python", *sys.argv]),
+                  time.perf_counter() - started, load_before, runs)
+
+
+if __name__ == "__main__":
+    main()
