@@ -81,6 +81,10 @@ class _Inbox:
         waiters.append(waiter)
         try:
             await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                _wake(waiters)  # pass on the wake-up this waiter can no longer use
+            raise
         finally:
             with contextlib.suppress(ValueError):
                 waiters.remove(waiter)

@@ -408,8 +408,14 @@ class TCPBackend(Backend):
                     return await self._connect_tls(host, port, config, allocator)
                 sock = await _open_socket(host, port, config)
                 conn = SocketConnection(sock, config, allocator)
-                conn.start()
-                await conn.wait_handshake(config.connect_timeout)
+                try:
+                    conn.start()
+                    await conn.wait_handshake(config.connect_timeout)
+                except BaseException:
+                    # A timeout or cancel from outside lands here as a
+                    # CancelledError: the socket must not outlive it.
+                    conn.abort()
+                    raise
                 return conn
         except TimeoutError:
             raise TransportError(
@@ -434,7 +440,11 @@ class TCPBackend(Backend):
         except BaseException:
             sock.close()
             raise
-        await conn.wait_handshake(config.connect_timeout)
+        try:
+            await conn.wait_handshake(config.connect_timeout)
+        except BaseException:
+            conn.abort()
+            raise
         return conn
 
     async def listen(

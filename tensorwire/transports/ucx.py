@@ -335,6 +335,12 @@ class UCXConnection(Connection):
         self._pump()
         try:
             return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # The message was ours already when the cancel landed: keep it
+                # for the next recv() instead of dropping it.
+                self._ready.appendleft(waiter.result())
+            raise
         finally:
             if not waiter.done() or waiter.cancelled():
                 with contextlib.suppress(ValueError):

@@ -403,3 +403,21 @@ async def test_send_many_keeps_order_and_message_boundaries(listen_url: str) -> 
             assert as_bytes(body) == pattern(i * 1000, i).tobytes()
         assert await conn.recv() == []
         await sender
+
+
+async def test_a_cancelled_recv_loses_no_message(listen_url: str) -> None:
+    got: list[bytes] = []
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        for i in range(20):
+            await conn.send([f"n{i}".encode()])
+            # A deadline that may pass in the same loop turn as the data.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0):
+                    got.append(as_bytes((await conn.recv())[0]))
+        with contextlib.suppress(TimeoutError):
+            while len(got) < 20:
+                async with asyncio.timeout(5):
+                    got.append(as_bytes((await conn.recv())[0]))
+    # Every echo arrives exactly once, in order: none was lost to a recv()
+    # that was cancelled after its message had been handed to it.
+    assert got == [f"n{i}".encode() for i in range(20)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -282,3 +283,28 @@ async def test_sending_1gib_does_not_grow_peak_memory(url: str) -> None:
     assert target[0] == 1 and target[-1] == 1
     growth = int(out.decode())
     assert growth < 64 << 20, f"sender's peak memory grew by {growth} bytes for a 1 GiB frame"
+
+
+async def test_a_timed_out_connect_leaves_no_socket_behind() -> None:
+    hung_up = asyncio.Queue[None]()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # accepts, never answers the handshake
+        writer.close()
+        await writer.wait_closed()
+        hung_up.put_nowait(None)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    quick = TransportConfig(connect_timeout=0.1)
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            with pytest.raises(TransportError, match="timed out"):
+                await connect(f"tcp://127.0.0.1:{port}", config=quick)
+            # The server side sees our end close: the client socket is gone.
+            await asyncio.wait_for(hung_up.get(), 10)
+        assert len(os.listdir("/proc/self/fd")) <= before
+    finally:
+        server.close()
+        await server.wait_closed()
