@@ -238,6 +238,16 @@ class Client:
                 return session
             return await self._reconnect()
 
+    async def _ready_by(self, deadline: float, method: str) -> _Session:
+        """Connect, within the call's deadline."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._ready()
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"{method}: could not connect to {self.address} within the call's deadline"
+            ) from None
+
     async def _reconnect(self) -> _Session:
         config = self.config
         last: BaseException | None = None
@@ -256,6 +266,10 @@ class Client:
                 self._next_attempt = time.monotonic() + min(backoff, config.reconnect_backoff_max)
                 logger.debug("connecting to %s failed: %s", self.address, exc)
                 continue
+            if self._closed:
+                # close() ran while we were connecting.
+                await session.close()
+                raise Unavailable("the client is closed")
             self._failures = 0
             self._next_attempt = 0.0
             self._session = session
@@ -301,7 +315,7 @@ class Client:
         started = time.perf_counter()
         session = self._session
         if session is None or not session.alive:
-            session = await self._ready()
+            session = await self._ready_by(deadline, method)
         args, source, stream_arg = _split_stream(args)
         payload = _encode([args, kwargs])
         metrics = self._metrics[method]
@@ -387,7 +401,7 @@ class Client:
     async def _stream(
         self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
     ) -> AsyncIterator[Any]:
-        session = await self._ready()
+        session = await self._ready_by(deadline, method)
         args, source, stream_arg = _split_stream(args)
         payload = _encode([args, kwargs])
         window = self.config.stream_window

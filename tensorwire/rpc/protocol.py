@@ -49,6 +49,10 @@ RPC_VERSION = 1
 NONCE_BYTES = 16
 #: An RPC header is a handful of small fields; anything larger is hostile.
 MAX_HEADER_BYTES = 64 * 1024
+#: ERROR's message and traceback are cut to this many characters each, so
+#: that a huge exception text cannot push a header past MAX_HEADER_BYTES.
+MAX_ERROR_TEXT = 16 * 1024
+_MAX_TIMEOUT = 10.0**9
 
 
 class Kind(enum.IntEnum):
@@ -264,6 +268,14 @@ def parse(frames: Sequence[Any]) -> Message:
                 f"{cls.kind.name}.{name} must be {_TYPES[name][0].__name__}, "
                 f"got {type(value).__name__}"
             )
+    if cls is Request:
+        timeout = values[1]
+        # NaN would corrupt the server's timer heap; negative or infinite
+        # deadlines have no meaning.
+        if timeout is not None and not (0 <= timeout < _MAX_TIMEOUT):
+            raise ProtocolError(f"REQUEST timeout must be finite and >= 0, got {timeout!r}")
+    elif cls is Welcome and values[3] < 1:
+        raise ProtocolError(f"WELCOME.max_concurrent must be at least 1, got {values[3]}")
     if cls.kind in _WITH_VALUE:
         if len(frames) < 2:
             raise ProtocolError(f"{cls.kind.name} without its value")

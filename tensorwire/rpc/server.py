@@ -275,6 +275,9 @@ class _Session:
             self.channel.send_soon(protocol.Pong(0))
         elif isinstance(message, protocol.Cancel):
             if call is not None:
+                # The client freed its slot already: stop counting the call
+                # now, not when its handler has finished cleaning up.
+                self.calls.pop(message.call_id, None)
                 call.task.cancel()
         elif isinstance(message, protocol.Item | protocol.End):
             # Late items for a call that already ended are dropped.
@@ -358,11 +361,25 @@ def _decode(frames: list[Any], what: str) -> Any:
 
 def _error_message(call_id: int, error: BaseException) -> protocol.Error:
     if isinstance(error, RemoteError):
-        return protocol.Error(call_id, int(error.status), error.type_name, error.message,
-                              error.remote_traceback or _format(error))
-    return protocol.Error(
-        call_id, int(Status.INTERNAL), type(error).__qualname__, str(error), _format(error)
-    )
+        status, type_name, message = int(error.status), error.type_name, error.message
+        trace = error.remote_traceback or _format(error)
+    else:
+        status, type_name, message = int(Status.INTERNAL), type(error).__qualname__, str(error)
+        trace = _format(error)
+    return protocol.Error(call_id, status, _clip(type_name, 256), _clip(message),
+                          _clip(trace, keep_end=True))
+
+
+def _clip(text: str, limit: int = protocol.MAX_ERROR_TEXT, *, keep_end: bool = False) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut.
+
+    A message keeps its start; a traceback its end, where the error is.
+    """
+    if len(text) <= limit:
+        return text
+    keep = limit - 64  # room for the note, which is shorter than 64 characters
+    note = f" ... [{len(text) - keep} characters cut] ... "
+    return note + text[-keep:] if keep_end else text[:keep] + note
 
 
 def _format(error: BaseException) -> str:
@@ -394,6 +411,7 @@ class _Call:
 
     def _expire(self) -> None:
         self._expired = True
+        self.session.calls.pop(self.call_id, None)
         self.task.cancel()
 
     def count_in(self, nbytes: int) -> None:

@@ -424,3 +424,65 @@ async def test_rpc_over_tls() -> None:
         # A client without TLS cannot get through.
         with pytest.raises(Unavailable):
             await tw.connect(server.addresses[0], reconnect_attempts=1)
+
+
+async def test_huge_exception_text_is_cut_and_the_connection_survives() -> None:
+    async with serving("tcp://127.0.0.1:0") as server, tw.connect(server.addresses[0]) as client:
+        bystander = asyncio.create_task(client.call("Store.slow", 0.3))
+        with pytest.raises(Internal, match="characters cut") as info:
+            await client.call("Store.boom", "k" * 100_000)
+        assert len(info.value.message) <= p.MAX_ERROR_TEXT
+        assert len(info.value.remote_traceback) <= p.MAX_ERROR_TEXT
+        assert await bystander == "done"
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, float("inf")])
+async def test_hostile_request_timeouts_are_refused(timeout: float) -> None:
+    async with serving("tcp://127.0.0.1:0") as server:
+        conn = await transport_connect(server.addresses[0])
+        await conn.send(p.encode(p.ClientHandshake(secret=None).start()))
+        p.parse(await conn.recv())
+        header, buffers = tw.serde.encode([[1], {}])
+        await conn.send(p.encode(p.Request(1, "Store.echo", timeout, -1, [header, *buffers])))
+        with pytest.raises(tw.errors.ConnectionClosedError):
+            await asyncio.wait_for(conn.recv(), 10)
+        async with tw.connect(server.addresses[0]) as client:
+            assert await client.call("Store.echo", 1, timeout=1) == 1
+
+
+async def test_the_deadline_covers_connecting() -> None:
+    async def silent(conn: Any) -> None:
+        await asyncio.sleep(30)  # never answers the handshake
+
+    listener = await tw.transports.listen("tcp://127.0.0.1:0", silent)
+    async with listener:
+        client = tw.connect(listener.address, connect_timeout=5)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(DeadlineExceeded, match="could not connect"):
+            await client.call("Store.echo", 1, timeout=0.3)
+        assert loop.time() - start < 2
+        await client.close()
+
+
+async def test_a_cancelled_call_frees_its_server_slot_at_once() -> None:
+    class Stubborn(rpc.Service):
+        @rpc.method
+        async def linger(self) -> None:
+            try:
+                await asyncio.sleep(30)
+            finally:
+                await asyncio.shield(asyncio.sleep(0.5))  # slow cleanup after cancel
+
+        @rpc.method
+        async def fast(self) -> str:
+            return "ok"
+
+    config = ServerConfig(max_concurrent_per_connection=2)
+    server_cm = serving("tcp://127.0.0.1:0", Stubborn(), config=config)
+    async with server_cm as server, tw.connect(server.addresses[0]) as client:
+        for _ in range(2):
+            with pytest.raises(DeadlineExceeded):
+                await client.call("Stubborn.linger", timeout=0.1)
+        assert await client.call("Stubborn.fast") == "ok"
+        assert await client.call("Stubborn.fast") == "ok"
