@@ -181,7 +181,10 @@ class Channel:
         while self.error is None:
             await asyncio.sleep(tick)
             now = self._loop.time()
-            silent = now - self._last_seen
+            # Bytes arriving mid-message count too: a long transfer is not
+            # silence.
+            seen = max(self._last_seen, self.conn.last_activity or 0.0)
+            silent = now - seen
             if silent > self._timeout:
                 self.close_with(
                     Unavailable(f"{self.conn.peer_address} was silent for {silent:.1f} s")

@@ -201,6 +201,16 @@ class Connection(abc.ABC):
     def closed(self) -> bool:
         """True once the connection is closed, aborted or broken."""
 
+    @property
+    def last_activity(self) -> float | None:
+        """Event-loop time at which bytes last arrived, even mid-message.
+
+        Liveness checks use it so that a peer in the middle of a long
+        transfer is not mistaken for a silent one. ``None`` where the
+        transport cannot tell (then only whole messages count).
+        """
+        return None
+
     @abc.abstractmethod
     async def send(self, frames: Sequence[Any]) -> None:
         """Send one message; returns once the frames may be reused.

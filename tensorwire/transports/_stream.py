@@ -82,6 +82,7 @@ class StreamConnection(Connection):
         self._peer_gone: asyncio.Future[None] = self._loop.create_future()
         self._error: TensorwireError | None = None
         self._closing = False
+        self._last_activity: float | None = None
 
     # -- Connection API ------------------------------------------------------
 
@@ -96,6 +97,10 @@ class StreamConnection(Connection):
     @property
     def closed(self) -> bool:
         return self._error is not None or self._closing
+
+    @property
+    def last_activity(self) -> float | None:
+        return self._last_activity
 
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:

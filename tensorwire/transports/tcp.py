@@ -124,6 +124,7 @@ class SocketConnection(StreamConnection):
             if n == 0:
                 self._on_eof()
                 return
+            self._last_activity = self._loop.time()
             try:
                 reader.buffer_updated(n)
             except TensorwireError as exc:
@@ -225,6 +226,7 @@ class TLSConnection(StreamConnection, asyncio.BufferedProtocol):
         return self._reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._last_activity = self._loop.time()
         try:
             self._reader.buffer_updated(nbytes)
         except TensorwireError as exc:

@@ -299,6 +299,7 @@ class UCXConnection(Connection):
         self._send_lock = asyncio.Lock()
         self._error: TensorwireError | None = None
         self._closing = False
+        self._last_activity: float | None = None
         self._watcher = self._loop.create_task(self._watch_control())
 
     # -- Connection API ------------------------------------------------------
@@ -314,6 +315,10 @@ class UCXConnection(Connection):
     @property
     def closed(self) -> bool:
         return self._error is not None or self._closing
+
+    @property
+    def last_activity(self) -> float | None:
+        return self._last_activity
 
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:
@@ -450,6 +455,7 @@ class UCXConnection(Connection):
         self._busy = False
         if self._error is not None or request is None:
             return
+        self._last_activity = self._loop.time()
         try:
             request.check_error()
         except Exception as exc:
@@ -534,6 +540,7 @@ class UCXConnection(Connection):
         except Exception as exc:
             self._fail(translate(self._rt, exc, f"receive from {self._peer_address} failed"))
             return
+        self._last_activity = self._loop.time()
         self._frames_left -= 1
         if self._frames_left == 0:
             self._busy = False

@@ -486,3 +486,25 @@ async def test_a_cancelled_call_frees_its_server_slot_at_once() -> None:
                 await client.call("Stubborn.linger", timeout=0.1)
         assert await client.call("Stubborn.fast") == "ok"
         assert await client.call("Stubborn.fast") == "ok"
+
+
+async def test_a_long_transfer_is_not_mistaken_for_silence() -> None:
+    # The reply takes longer than the heartbeat timeout to arrive through small
+    # socket buffers; bytes keep flowing, so the connection must survive.
+    from tensorwire.transports import TransportConfig
+
+    small = TransportConfig(socket_sndbuf=1 << 16, socket_rcvbuf=1 << 16)
+    server_config = ServerConfig(transport=small, heartbeat_timeout=0.5)
+    client_config = ClientConfig(transport=small, heartbeat_interval=0.1,
+                                 heartbeat_timeout=0.3)
+    store = Store()
+    store.data["big"] = np.ones(512 << 20, np.uint8)
+    async with serving("tcp://127.0.0.1:0", store, config=server_config) as server:
+        client = await tw.connect(server.addresses[0], config=client_config)
+        started = asyncio.get_running_loop().time()
+        value = await client.call("Store.get", "big")
+        took = asyncio.get_running_loop().time() - started
+        await client.close()
+    assert value.nbytes == 512 << 20
+    if took < 0.3:
+        pytest.skip(f"the transfer took only {took:.2f} s; nothing to prove here")
