@@ -411,46 +411,53 @@ class Client:
         loop = asyncio.get_running_loop()
         finished = False
         try:
+            # Each wait is bounded by the deadline on its own: a timeout held
+            # across ``yield`` would cancel the consumer's code between items.
             async with asyncio.timeout_at(deadline):
-                async with session.slots:
-                    call_id, pending = self._register(session, method, streaming=True)
-                    pump: asyncio.Task[None] | None = None
-                    try:
-                        channel = _channel(session)
-                        remaining = max(deadline - loop.time(), 0.0)
+                await session.slots.acquire()
+            try:
+                call_id, pending = self._register(session, method, streaming=True)
+                pump: asyncio.Task[None] | None = None
+                try:
+                    channel = _channel(session)
+                    remaining = max(deadline - loop.time(), 0.0)
+                    async with asyncio.timeout_at(deadline):
                         metrics.bytes_out += await channel.send(
                             protocol.Request(call_id, method, remaining, stream_arg, payload)
                         )
-                        channel.send_soon(protocol.Credit(call_id, window))
-                        if source is not None:
-                            pending.credit_event = asyncio.Event()
-                            pump = loop.create_task(self._pump(session, call_id, pending, source))
-                        consumed = 0
-                        assert pending.items is not None
-                        while True:
-                            while not pending.items:
-                                if pending.future.done():
-                                    pending.future.result()  # raises the connection error
-                                pending.waiter = loop.create_future()
+                    channel.send_soon(protocol.Credit(call_id, window))
+                    if source is not None:
+                        pending.credit_event = asyncio.Event()
+                        pump = loop.create_task(self._pump(session, call_id, pending, source))
+                    consumed = 0
+                    assert pending.items is not None
+                    while True:
+                        while not pending.items:
+                            if pending.future.done():
+                                pending.future.result()  # raises the connection error
+                            pending.waiter = loop.create_future()
+                            async with asyncio.timeout_at(deadline):
                                 await pending.waiter
-                            message = pending.items.popleft()
-                            if isinstance(message, protocol.End):
-                                finished = True
-                                break
-                            if isinstance(message, protocol.Error):
-                                finished = True
-                                raise _remote(message)
-                            assert isinstance(message, protocol.Item)
-                            consumed += 1
-                            if consumed >= max(1, window // 2):
-                                channel.send_soon(protocol.Credit(call_id, consumed))
-                                consumed = 0
-                            yield _decode(message.value, method)
-                    finally:
-                        if not finished:
-                            self._cancel_remote(session, call_id)
-                        self._unregister(session, call_id)
-                        await _stop(pump)
+                        message = pending.items.popleft()
+                        if isinstance(message, protocol.End):
+                            finished = True
+                            break
+                        if isinstance(message, protocol.Error):
+                            finished = True
+                            raise _remote(message)
+                        assert isinstance(message, protocol.Item)
+                        consumed += 1
+                        if consumed >= max(1, window // 2):
+                            channel.send_soon(protocol.Credit(call_id, consumed))
+                            consumed = 0
+                        yield _decode(message.value, method)
+                finally:
+                    if not finished:
+                        self._cancel_remote(session, call_id)
+                    self._unregister(session, call_id)
+                    await _stop(pump)
+            finally:
+                session.slots.release()
             error = False
         except TimeoutError:
             raise DeadlineExceeded(f"{method} did not finish within its deadline") from None

@@ -508,3 +508,20 @@ async def test_a_long_transfer_is_not_mistaken_for_silence() -> None:
     assert value.nbytes == 512 << 20
     if took < 0.3:
         pytest.skip(f"the transfer took only {took:.2f} s; nothing to prove here")
+
+
+async def test_a_stream_deadline_never_cancels_the_consumers_own_code() -> None:
+    async with serving("tcp://127.0.0.1:0") as server, tw.connect(server.addresses[0]) as client:
+        task = asyncio.current_task()
+        assert task is not None
+        got: list[int] = []
+
+        async def consume() -> None:
+            async for item in client.stream("Store.count", 100, timeout=0.3):
+                got.append(item)
+                await asyncio.sleep(0.2)  # work between items: must not be cancelled
+
+        with pytest.raises(DeadlineExceeded):
+            await consume()
+        assert task.cancelling() == 0
+        assert 1 <= len(got) < 100
