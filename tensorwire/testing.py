@@ -9,8 +9,11 @@
             assert (await store.get("w")).sum() == 3
 
 The server and client talk over ``inproc://`` (no sockets, same event loop),
-through the real RPC protocol and codec, so handlers see exactly what a
-remote call would give them.
+through the real RPC protocol and codec: handlers get the same values, errors
+and statuses a remote call would give them. One difference: inproc:// passes
+frames by reference, so an array of at least the codec's inline threshold
+arrives as a view of the caller's memory, and a handler that changes it in
+place changes the caller's array (over a network it would change a copy).
 """
 
 from __future__ import annotations
