@@ -93,9 +93,30 @@ class Channel:
             await asyncio.shield(flushed)
             return frames_nbytes(frames)
         self._writing = True
-        in_flight: asyncio.Future[None] | None = None
         try:
             await self.conn.send(frames)
+        except asyncio.CancelledError:
+            # The transport finishes a message it had started; what queued
+            # behind it still goes out, from a task of the channel's own.
+            self._drain_later()
+            raise
+        except BaseException as exc:
+            self._writing = False
+            self._fail_queued(exc)
+            if isinstance(exc, ConnectionClosedError):
+                self.close_with(exc)
+                raise _unavailable(exc) from exc
+            raise
+        if self._outbox:
+            await self._drain()
+        else:
+            self._writing = False
+        return frames_nbytes(frames)
+
+    async def _drain(self) -> None:
+        """Send what queued behind a stuck write, batch by batch."""
+        in_flight: asyncio.Future[None] | None = None
+        try:
             while self._outbox:
                 batch, in_flight = self._outbox, self._flushed
                 self._outbox, self._flushed = None, None
@@ -103,19 +124,37 @@ class Channel:
                 assert in_flight is not None
                 in_flight.set_result(None)
                 in_flight = None
+        except asyncio.CancelledError:
+            if in_flight is not None:
+                # Started batches are finished by the transport.
+                in_flight.set_result(None)
+            self._drain_later()
+            raise
         except BaseException as exc:
-            # Whoever queued behind this write learns that it failed too.
-            queued, self._flushed, self._outbox = self._flushed, None, None
-            for flushed in (in_flight, queued):
-                if flushed is not None:
-                    flushed.set_exception(_unavailable(exc))
+            if in_flight is not None:
+                in_flight.set_exception(_unavailable(exc))
+            self._writing = False
+            self._fail_queued(exc)
             if isinstance(exc, ConnectionClosedError):
                 self.close_with(exc)
-                raise _unavailable(exc) from exc
-            raise
-        finally:
+            if not isinstance(exc, Exception):
+                raise
+        else:
             self._writing = False
-        return frames_nbytes(frames)
+
+    def _drain_later(self) -> None:
+        if not self._outbox:
+            self._writing = False
+            return
+        task = self._loop.create_task(self._drain())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        """Whoever queued behind a failed write learns that it failed too."""
+        queued, self._flushed, self._outbox = self._flushed, None, None
+        if queued is not None:
+            queued.set_exception(_unavailable(exc))
 
     def send_soon(self, message: Message) -> None:
         """Send without waiting (pongs, cancels); failures only close the channel."""

@@ -215,6 +215,12 @@ class Connection(abc.ABC):
     async def send(self, frames: Sequence[Any]) -> None:
         """Send one message; returns once the frames may be reused.
 
+        Cancelling a send that has not started drops the message. Once part
+        of it is out, the rest is written in the background (the next send
+        waits for it), so the peer's framing holds and the connection lives;
+        the frames must then stay unchanged until it has gone. A failure
+        part-way through, by contrast, closes the connection.
+
         Raises:
             ConnectionClosedError: the connection is closed or broke.
             TransportError: a frame is not a usable buffer.

@@ -83,6 +83,8 @@ class StreamConnection(Connection):
         self._error: TensorwireError | None = None
         self._closing = False
         self._last_activity: float | None = None
+        # The rest of a message whose sender was cancelled mid-write.
+        self._tail: asyncio.Task[None] | None = None
 
     # -- Connection API ------------------------------------------------------
 
@@ -107,6 +109,7 @@ class StreamConnection(Connection):
             raise self._closed_error()
         buffers = outgoing(frames)
         async with self._send_lock:
+            await self._after_tail()
             if self.closed:
                 raise self._closed_error()
             await self._send_buffers(buffers)
@@ -120,6 +123,7 @@ class StreamConnection(Connection):
         for frames in messages:
             buffers.extend(outgoing(frames))
         async with self._send_lock:
+            await self._after_tail()
             if self.closed:
                 raise self._closed_error()
             await self._send_buffers(buffers)
@@ -154,6 +158,7 @@ class StreamConnection(Connection):
         try:
             async with asyncio.timeout(self._config.close_timeout):
                 async with self._send_lock:
+                    await self._after_tail()
                     if self._error is None:
                         await self._send_buffers([GOODBYE])
                         self._shutdown_write()
@@ -284,11 +289,16 @@ class StreamConnection(Connection):
         self._ready.append(message)
 
     async def _send_buffers(self, buffers: list[Any]) -> None:
+        count, first = len(buffers), buffers[0] if buffers else None
         try:
             await self._write(buffers)
         except asyncio.CancelledError:
-            # The stream position is unknown once a write is cut: abort.
-            self.abort()
+            # _write consumes ``buffers`` from the front. If part of the
+            # message is out, the rest must follow or the peer's framing is
+            # lost: finish it in the background, and the connection lives.
+            started = len(buffers) != count or (buffers and buffers[0] is not first)
+            if started and buffers and self._error is None:
+                self._tail = self._loop.create_task(self._finish(buffers))
             raise
         except OSError as exc:
             if not isinstance(exc, TensorwireError):
@@ -297,9 +307,27 @@ class StreamConnection(Connection):
                 self._fail(error)
             raise self._closed_error() from exc
 
+    async def _after_tail(self) -> None:
+        """Wait (under the send lock) for the rest of a cancelled send."""
+        tail = self._tail
+        if tail is not None:
+            await asyncio.wait([tail])
+
+    async def _finish(self, buffers: list[Any]) -> None:
+        try:
+            await self._write(buffers)
+        except OSError as exc:
+            if self._error is None:
+                error = ConnectionClosedError(f"send to {self._peer_address} failed: {exc}")
+                error.__cause__ = exc
+                self._fail(error)
+        finally:
+            self._tail = None
+
     @abc.abstractmethod
     async def _write(self, buffers: list[Any]) -> None:
-        """Write all of ``buffers`` in order."""
+        """Write all of ``buffers`` in order, removing from the front of the
+        list what has gone out (so that a cancelled write can be finished)."""
 
     @abc.abstractmethod
     def _resume_reading(self) -> None: ...

@@ -141,17 +141,16 @@ class SocketConnection(StreamConnection):
             sock = self._sock
 
     async def _write(self, buffers: list[Any]) -> None:
-        pending = buffers
-        while pending:
+        while buffers:
             sock = self._sock
             if sock is None:
                 raise self._closed_error()
             try:
-                sent = sock.sendmsg(pending[:_IOV_MAX])
+                sent = sock.sendmsg(buffers[:_IOV_MAX])
             except (BlockingIOError, InterruptedError):
                 await self._wait_writable()
                 continue
-            pending = _advance(pending, sent)
+            buffers[:] = _advance(buffers, sent)
 
     async def _wait_writable(self) -> None:
         waiter: asyncio.Future[None] = self._loop.create_future()
@@ -263,16 +262,19 @@ class TLSConnection(StreamConnection, asyncio.BufferedProtocol):
             self._reading = True
 
     async def _write(self, buffers: list[Any]) -> None:
-        for buffer in buffers:
-            view = memoryview(buffer).cast("B")
-            for start in range(0, max(len(view), 1), _TLS_CHUNK):
-                transport = self._transport
-                if transport is None or transport.is_closing():
-                    raise self._closed_error()
-                transport.write(view[start : start + _TLS_CHUNK])
-                while self._paused and self._error is None:
-                    self._drained = self._loop.create_future()
-                    await self._drained
+        while buffers:
+            transport = self._transport
+            if transport is None or transport.is_closing():
+                raise self._closed_error()
+            view = memoryview(buffers[0]).cast("B")
+            transport.write(view[:_TLS_CHUNK])
+            if len(view) > _TLS_CHUNK:
+                buffers[0] = view[_TLS_CHUNK:]
+            else:
+                del buffers[0]
+            while self._paused and self._error is None:
+                self._drained = self._loop.create_future()
+                await self._drained
         if self._error is not None:
             raise self._closed_error()
 

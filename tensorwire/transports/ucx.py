@@ -160,6 +160,12 @@ def _sync_device_streams() -> None:
         torch.cuda.current_stream().synchronize()
 
 
+def _retrieve(future: asyncio.Future[None]) -> None:
+    """Mark a send's outcome as seen when nobody waits for it any more."""
+    if not future.cancelled():
+        future.exception()
+
+
 class _Outgoing:
     """One message prepared for sending: the header and the separate frames."""
 
@@ -404,8 +410,10 @@ class UCXConnection(Connection):
             self._sent += 1
             await done
         except asyncio.CancelledError:
-            # Part of the message may be out: the peer's framing is unknown.
-            self.abort()
+            # Every part of the message is posted already and UCX completes
+            # it without us (the runtime keeps the buffers referenced), so
+            # the peer's framing holds and the connection lives on.
+            done.add_done_callback(_retrieve)
             raise
         except TransportError as exc:
             self._fail(

@@ -525,3 +525,16 @@ async def test_a_stream_deadline_never_cancels_the_consumers_own_code() -> None:
             await consume()
         assert task.cancelling() == 0
         assert 1 <= len(got) < 100
+
+
+async def test_a_deadline_mid_send_does_not_break_other_calls(url: str) -> None:
+    # A large request whose deadline passes while it is still being written
+    # must not take the connection (and the calls sharing it) down with it.
+    if url.startswith("inproc"):
+        pytest.skip("an inproc:// send never waits")
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        bystander = asyncio.create_task(client.call("Store.slow", 0.5))
+        with pytest.raises(DeadlineExceeded):
+            await client.call("Store.put", "big", np.ones(256 << 20, np.uint8), timeout=0.02)
+        assert await bystander == "done"
+        assert await client.call("Store.echo", "still connected") == "still connected"

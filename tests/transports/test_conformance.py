@@ -421,3 +421,40 @@ async def test_a_cancelled_recv_loses_no_message(listen_url: str) -> None:
     # Every echo arrives exactly once, in order: none was lost to a recv()
     # that was cancelled after its message had been handed to it.
     assert got == [f"n{i}".encode() for i in range(20)]
+
+
+async def test_a_cancelled_send_finishes_its_message_and_the_connection_lives(
+    listen_url: str,
+) -> None:
+    if listen_url.startswith("inproc"):
+        pytest.skip("an inproc:// send never stops half-way")
+    release = asyncio.Event()
+    received: list[int] = []
+    done = asyncio.Event()
+
+    async def slow(conn: Connection) -> None:
+        await release.wait()
+        with contextlib.suppress(ConnectionClosedError):
+            while True:
+                received.append(memoryview((await conn.recv())[0]).nbytes)
+                if len(received) == 2:
+                    done.set()
+
+    small = TransportConfig(socket_sndbuf=1 << 16, socket_rcvbuf=1 << 16)
+    async with serving(listen_url, slow, small) as listener:
+        conn = await connect(listener.address, config=small)
+        sender = asyncio.create_task(conn.send([np.zeros(16 << 20, np.uint8)]))
+        finished, _ = await asyncio.wait([sender], timeout=0.3)
+        assert not finished, "16 MiB cannot be out while the peer reads nothing"
+        sender.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sender
+        # Half a message was out: it is finished in the background, so the
+        # connection is still good and the next message follows it.
+        assert not conn.closed
+        after = asyncio.create_task(conn.send([b"after"]))
+        release.set()
+        await asyncio.wait_for(after, 30)
+        await asyncio.wait_for(done.wait(), 30)
+        await conn.close()
+    assert received == [16 << 20, 5]
