@@ -44,12 +44,25 @@ class SyncClient:
         self._thread.start()
         self._client = Client(address, config=config)
         self._closed = False
+        # Held while scheduling and while closing: a submit() from another
+        # thread either gets in before close() or is refused, never lost.
+        self._lock = threading.Lock()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        if self._closed:
-            coro.close()
-            raise RuntimeError("the SyncClient is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RuntimeError("the SyncClient is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    @staticmethod
+    def _wait(future: concurrent.futures.Future[T]) -> T:
+        try:
+            return future.result()
+        except BaseException:
+            # Ctrl-C (or any error here) must not leave the call running.
+            future.cancel()
+            raise
 
     def connect(self) -> SyncClient:
         """Connect now (calls connect on demand anyway)."""
@@ -59,8 +72,8 @@ class SyncClient:
     def call(self, method: str, /, *args: Any, timeout: float | None = None,
              idempotent: bool = False, **kwargs: Any) -> Any:
         """Call and wait for the result; raises what ``Client.call`` raises."""
-        return self.submit(method, *args, timeout=timeout, idempotent=idempotent,
-                           **kwargs).result()
+        return self._wait(self.submit(method, *args, timeout=timeout, idempotent=idempotent,
+                                      **kwargs))
 
     def submit(self, method: str, /, *args: Any, timeout: float | None = None,
                idempotent: bool = False, **kwargs: Any) -> concurrent.futures.Future[Any]:
@@ -95,10 +108,12 @@ class SyncClient:
 
     def close(self) -> None:
         """Close the connection and stop the background thread."""
-        if self._closed:
-            return
-        self._run(self._client.close()).result()
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            closing = asyncio.run_coroutine_threadsafe(self._client.close(), self._loop)
+            self._closed = True
+        closing.result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

@@ -4,6 +4,7 @@ blocking client in a plain thread."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -143,3 +144,37 @@ def test_sync_client_from_a_plain_thread() -> None:
     asyncio.run(main())
     assert results == {"local": 4.0, "remote": 16.0, "stream": [0, 1, 2, 3, 4],
                        "error": "NOT_FOUND"}
+
+
+def test_sync_client_close_while_other_threads_submit_loses_no_future() -> None:
+    futures: list[object] = []
+    refused: list[BaseException] = []
+
+    def hammer(client: SyncClient, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                futures.append(client.submit("Store.echo", 1))
+            except RuntimeError as exc:  # closed: refused, not lost
+                refused.append(exc)
+                return
+
+    async def main() -> None:
+        server = tw.Server([Store()])
+        (address,) = await server.start("tcp://127.0.0.1:0")
+        client = await asyncio.to_thread(lambda: SyncClient(address).connect())
+        stop = threading.Event()
+        threads = [threading.Thread(target=hammer, args=(client, stop)) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(client.close)
+        stop.set()
+        for thread in threads:
+            await asyncio.to_thread(thread.join, 10)
+        await server.close()
+
+    asyncio.run(main())
+    assert futures
+    for future in futures:
+        assert isinstance(future, concurrent.futures.Future)
+        assert future.done(), "a call submitted before close() never finished"
