@@ -1,3 +1,3 @@
-"""tensorwire.collective — see ../shared/DESIGN.md; not built yet."""
+"""Collective operations over tensorwire RPC (allreduce, broadcast, ...): planned, empty."""
 
 __all__ = ()

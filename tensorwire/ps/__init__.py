@@ -1,3 +1,3 @@
-"""tensorwire.ps — see ../shared/DESIGN.md; not built yet."""
+"""Parameter server over tensorwire RPC (sharding, consistency, optimizers): planned, empty."""
 
 __all__ = ()
