@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
@@ -173,6 +175,71 @@ def check_limits(sizes: Sequence[int], limits: Limits) -> None:
         raise LimitExceededError(
             f"message of {total} bytes exceeds the limit of {limits.max_message_bytes}"
         )
+
+
+class RecvQueue:
+    """The messages a connection received and the ``recv()`` calls waiting.
+
+    A transport allocates the next message with the first waiter's allocator
+    (``bind`` that waiter), so the message goes to that waiter; one whose
+    waiter gave up, or that needed no allocation, goes to the next waiter or
+    waits in ``ready``.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.waiters: deque[tuple[asyncio.Future[list[Any]], Allocator | None]] = deque()
+        self.ready: deque[list[Any]] = deque()
+        self._bound: asyncio.Future[list[Any]] | None = None
+
+    async def wait(self, allocator: Allocator | None, kick: Callable[[], None]) -> list[Any]:
+        """Wait for the next message; ``kick`` tells the transport someone waits."""
+        waiter: asyncio.Future[list[Any]] = self._loop.create_future()
+        entry = (waiter, allocator)
+        self.waiters.append(entry)
+        kick()
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # The message was ours already when the cancel landed: keep it
+                # for the next recv() instead of dropping it.
+                self.ready.appendleft(waiter.result())
+            raise
+        finally:
+            if not waiter.done() or waiter.cancelled():
+                with contextlib.suppress(ValueError):
+                    self.waiters.remove(entry)
+
+    def bind(self, waiter: asyncio.Future[list[Any]]) -> None:
+        """The message now being received was allocated for ``waiter``."""
+        self._bound = waiter
+
+    def deliver(self, message: list[Any]) -> None:
+        bound, self._bound = self._bound, None
+        if bound is not None and not bound.done():
+            for entry in self.waiters:
+                if entry[0] is bound:
+                    self.waiters.remove(entry)
+                    break
+            bound.set_result(message)
+            return
+        while self.waiters:
+            waiter, _ = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(message)
+                return
+        self.ready.append(message)
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every waiting ``recv()`` with ``error``."""
+        bound, self._bound = self._bound, None
+        while self.waiters:
+            waiter, _ = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+        if bound is not None and not bound.done():
+            bound.set_exception(error)
 
 
 class Connection(abc.ABC):

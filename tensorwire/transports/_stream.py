@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import logging
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +18,7 @@ from ..errors import ConnectionClosedError, TensorwireError, TransportError
 from ._base import (
     Allocator,
     Connection,
+    RecvQueue,
     default_allocator,
     device_nbytes,
     host_view,
@@ -73,10 +72,7 @@ class StreamConnection(Connection):
         self._local_address = local_address
         self._peer_address = peer_address
         self._reader = FrameReader(config.limits)
-        self._waiters: deque[tuple[asyncio.Future[list[Any]], Allocator | None]] = deque()
-        self._ready: deque[list[Any]] = deque()
-        # The recv() whose allocator the message now being received went to.
-        self._bound: asyncio.Future[list[Any]] | None = None
+        self._queue = RecvQueue(self._loop)
         self._send_lock = asyncio.Lock()
         self._handshake: asyncio.Future[None] = self._loop.create_future()
         self._peer_gone: asyncio.Future[None] = self._loop.create_future()
@@ -129,26 +125,16 @@ class StreamConnection(Connection):
             await self._send_buffers(buffers)
 
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
-        if self._ready:
-            return self._ready.popleft()
+        queue = self._queue
+        if queue.ready:
+            return queue.ready.popleft()
         if self._error is not None:
             raise self._closed_error()
-        waiter: asyncio.Future[list[Any]] = self._loop.create_future()
-        entry = (waiter, allocator)
-        self._waiters.append(entry)
+        return await queue.wait(allocator, self._kick)
+
+    def _kick(self) -> None:
         if self._pump():
             self._resume_reading()
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                # The message was ours already when the cancel landed: keep it
-                # for the next recv() instead of dropping it.
-                self._ready.appendleft(waiter.result())
-            raise
-        finally:
-            if not waiter.done() or waiter.cancelled():
-                self._forget(entry)
 
     async def close(self) -> None:
         if self.closed:
@@ -219,10 +205,7 @@ class StreamConnection(Connection):
             self._handshake.set_exception(error)
             self._handshake.exception()
         self._set_peer_gone()
-        while self._waiters:
-            waiter, _ = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(error)
+        self._queue.fail(error)
 
     # -- internals -------------------------------------------------------------
 
@@ -240,10 +223,6 @@ class StreamConnection(Connection):
         closed.__cause__ = error
         return closed
 
-    def _forget(self, entry: tuple[asyncio.Future[list[Any]], Allocator | None]) -> None:
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(entry)
-
     def _pump(self) -> bool:
         reader = self._reader
         while True:
@@ -254,12 +233,12 @@ class StreamConnection(Connection):
                         ConnectionClosedError(f"connection closed by the peer {self._peer_address}")
                     )
                     return False
-                self._deliver(event)
+                self._queue.deliver(event)
             if reader.frames_announced is None:
                 return self._error is None
-            if not self._waiters:
+            if not self._queue.waiters:
                 return False
-            waiter, allocator = self._waiters[0]
+            waiter, allocator = self._queue.waiters[0]
             try:
                 reader.allocate(allocator or self._allocator)
             except TensorwireError as exc:
@@ -270,23 +249,7 @@ class StreamConnection(Connection):
                 error.__cause__ = exc
                 self._fail(error)
                 return False
-            self._bound = waiter
-
-    def _deliver(self, message: list[Any]) -> None:
-        bound, self._bound = self._bound, None
-        if bound is not None and not bound.done():
-            for entry in self._waiters:
-                if entry[0] is bound:
-                    self._waiters.remove(entry)
-                    break
-            bound.set_result(message)
-            return
-        while self._waiters:
-            waiter, _ = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(message)
-                return
-        self._ready.append(message)
+            self._queue.bind(waiter)
 
     async def _send_buffers(self, buffers: list[Any]) -> None:
         count, first = len(buffers), buffers[0] if buffers else None
