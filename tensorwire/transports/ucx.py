@@ -72,10 +72,8 @@ Progress modes
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import struct
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,6 +90,7 @@ from ._base import (
     ConnectionHandler,
     FrameInfo,
     Listener,
+    RecvQueue,
     check_frame_count,
     check_limits,
     default_allocator,
@@ -290,12 +289,10 @@ class UCXConnection(Connection):
         runtime.kick()
         capacity = _PRELUDE.size + _table_size(config.limits.max_frames) + INLINE_BYTES
         self._header_buf = bytearray(capacity)
-        self._waiters: deque[tuple[asyncio.Future[list[Any]], Allocator | None]] = deque()
-        self._ready: deque[list[Any]] = deque()
+        self._queue = RecvQueue(self._loop)
         self._announced: _Announced | None = None
         # Receiving: a header or a message's frames are in flight.
         self._busy = False
-        self._bound: asyncio.Future[list[Any]] | None = None
         self._frames: list[Any] = []
         self._frames_left = 0
         self._received = 0
@@ -336,26 +333,12 @@ class UCXConnection(Connection):
             await self._send_message(message)
 
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
-        if self._ready:
-            return self._ready.popleft()
+        queue = self._queue
+        if queue.ready:
+            return queue.ready.popleft()
         if self._error is not None:
             raise self._closed_error()
-        waiter: asyncio.Future[list[Any]] = self._loop.create_future()
-        entry = (waiter, allocator)
-        self._waiters.append(entry)
-        self._pump()
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                # The message was ours already when the cancel landed: keep it
-                # for the next recv() instead of dropping it.
-                self._ready.appendleft(waiter.result())
-            raise
-        finally:
-            if not waiter.done() or waiter.cancelled():
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(entry)
+        return await queue.wait(allocator, self._pump)
 
     async def close(self) -> None:
         if self.closed:
@@ -438,11 +421,11 @@ class UCXConnection(Connection):
         rt = self._rt
         while rt is not None and self._error is None and not self._busy:
             if self._announced is not None:
-                if not self._waiters:
+                if not self._queue.waiters:
                     return
                 self._allocate(rt, self._announced)
                 continue
-            if not self._waiters:
+            if not self._queue.waiters:
                 return
             if self._peer_sent is not None and self._received >= self._peer_sent:
                 self._peer_done()
@@ -490,7 +473,7 @@ class UCXConnection(Connection):
         self._fail(exc)
 
     def _allocate(self, rt: Runtime, announced: _Announced) -> None:
-        waiter, allocator = self._waiters[0]
+        waiter, allocator = self._queue.waiters[0]
         alloc = allocator or self._allocator
         frames: list[Any] = []
         targets: list[Any] = []
@@ -518,7 +501,7 @@ class UCXConnection(Connection):
             return
         self._announced = None
         self._frames = frames
-        self._bound = waiter
+        self._queue.bind(waiter)
         if not targets:
             self._finish_message()
             return
@@ -557,22 +540,8 @@ class UCXConnection(Connection):
 
     def _finish_message(self) -> None:
         message, self._frames = self._frames, []
-        bound, self._bound = self._bound, None
         self._received += 1
-        if bound is not None and not bound.done():
-            for entry in self._waiters:
-                if entry[0] is bound:
-                    self._waiters.remove(entry)
-                    break
-            bound.set_result(message)
-        else:
-            while self._waiters:
-                waiter, _ = self._waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(message)
-                    break
-            else:
-                self._ready.append(message)
+        self._queue.deliver(message)
         if self._peer_sent is not None and self._received >= self._peer_sent:
             self._peer_done()
 
@@ -628,13 +597,7 @@ class UCXConnection(Connection):
             rt.free_id(self._recv_id)
             rt.kick()
             rt.release()
-        while self._waiters:
-            waiter, _ = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(error)
-        if self._bound is not None and not self._bound.done():
-            self._bound.set_exception(error)
-        self._bound = None
+        self._queue.fail(error)
 
     def _closed_error(self) -> TensorwireError:
         error = self._error
