@@ -36,7 +36,7 @@ async def echo_server(config: TransportConfig | None = None) -> AsyncIterator[Li
 
 
 def host_port(address: str) -> tuple[str, int]:
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    host, port = address.split("://", 1)[1].rsplit(":", 1)
     return host.strip("[]"), int(port)
 
 

@@ -31,6 +31,7 @@ from tensorwire.transports import (
 from tensorwire.transports._wire import HANDSHAKE
 
 from .test_conformance import as_bytes, echo, pattern
+from .test_tcp import send_raw
 
 # Not importorskip: importing ucxx here would set UCX_* variables in this
 # process before ucx:// applies its options.
@@ -226,19 +227,6 @@ async def test_frame_table_beyond_the_header_buffer_is_refused() -> None:
             await asyncio.wait_for(conn.recv(), 10)
 
 
-async def _raw_exchange(address: str, payload: bytes) -> bytes:
-    host, port = address.removeprefix("ucx://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(payload)
-    await writer.drain()
-    try:
-        return await asyncio.wait_for(reader.read(), 10)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-
-
 @pytest.mark.parametrize(
     "payload",
     [
@@ -258,7 +246,7 @@ async def test_garbage_on_the_control_port_is_dropped(
     payload: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with echo_server() as listener:
-        await _raw_exchange(listener.address, payload)
+        await send_raw(listener.address, payload)
         async with await connect(listener.address) as conn:
             await conn.send([b"still serving"])
             assert as_bytes((await conn.recv())[0]) == b"still serving"
