@@ -186,7 +186,6 @@ class Client:
         self._metrics = Metrics()
         self._call_names: dict[int, str] = {}
         self._closed = False
-        self._background: set[asyncio.Task[Any]] = set()
 
     # -- lifetime ------------------------------------------------------------
 
@@ -216,9 +215,6 @@ class Client:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per-method calls, errors, bytes in and out, latency p50/p90/p99 (s)."""

@@ -156,6 +156,7 @@ class FrameReader:
         self._infos: list[FrameInfo] = []
         self._announced = 0
         self._announced_bytes = 0
+        self._slab = False
         self._frames: list[Any] = []
         self._views: list[memoryview] = []
         self._bounce: dict[int, Any] = {}
@@ -211,7 +212,7 @@ class FrameReader:
         if self._state is not _State.ALLOCATE:
             raise RuntimeError("no message is waiting for allocation")
         infos = self._infos
-        if allocator is default_allocator and self._small_host_message(infos):
+        if allocator is default_allocator and self._slab:
             frames, views = _slab_frames(infos)
             if self._end - self._start >= self._announced_bytes:
                 # The whole message is already in the read-ahead buffer: copy
@@ -246,15 +247,6 @@ class FrameReader:
         self._state = _State.FRAMES
         self._next_frame()
         self._process()
-
-    def _small_host_message(self, infos: list[FrameInfo]) -> bool:
-        total = 0
-        for info in infos:
-            if info.device != "cpu":
-                return False
-            total += info.nbytes
-        self._announced_bytes = total
-        return total <= SLAB_MAX
 
     def _next_frame(self) -> None:
         while self._index < len(self._views):
@@ -299,7 +291,11 @@ class FrameReader:
                 if code >= len(_DEVICE_NAMES):
                     raise ProtocolError(f"unknown device code {code} for frame {index}")
         check_limits(sizes, self.limits)
-        if codes[:n].count(0) == n:
+        all_host = codes[:n].count(0) == n
+        # Known here already: whether the default allocation is one slab.
+        self._announced_bytes = total = sum(sizes)
+        self._slab = all_host and total <= SLAB_MAX
+        if all_host:
             self._infos = [FrameInfo(i, size) for i, size in enumerate(sizes)]
         else:
             self._infos = [
