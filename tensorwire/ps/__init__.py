@@ -1,3 +1,64 @@
-"""Parameter server over tensorwire RPC (sharding, consistency, optimizers): planned, empty."""
+"""Parameter server: sharded tensors, consistency models, server-side optimizers.
 
-__all__ = ()
+::
+
+    from tensorwire import ps
+
+    shard = await ps.serve("tcp://0.0.0.0:7000", checkpoint_dir="ckpt/0")   # per shard
+    client = await ps.connect(["tcp://h1:7000", "tcp://h2:7000"], worker=rank,
+                              num_workers=n, consistency="ssp", staleness=2,
+                              compression="topk", optimizer=ps.Adam(lr=1e-3))
+    params = await client.init(initial_params)     # the first worker's values win
+    await client.push(grads)
+    params = await client.pull()                   # or: await client.push_pull(grads)
+
+See docs/ps.md for the guarantees.
+"""
+
+from ._compress import (
+    BF16,
+    FP16,
+    Compressor,
+    ErrorFeedback,
+    Int8,
+    NoCompression,
+    TopK,
+    register_compressor,
+)
+from ._optim import SGD, Adagrad, Adam, Aggregate, Optimizer
+from ._placement import Chunk, Placement, TensorSpec, chunk_tensors, place, resize
+from .client import PSClient, connect
+from .config import Job, PSConfig, ShardConfig
+from .server import Shard, ShardServer, serve
+from .sync import SyncClient
+
+__all__ = (
+    "BF16",
+    "FP16",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "Aggregate",
+    "Chunk",
+    "Compressor",
+    "ErrorFeedback",
+    "Int8",
+    "Job",
+    "NoCompression",
+    "Optimizer",
+    "PSClient",
+    "PSConfig",
+    "Placement",
+    "Shard",
+    "ShardConfig",
+    "ShardServer",
+    "SyncClient",
+    "TensorSpec",
+    "TopK",
+    "chunk_tensors",
+    "connect",
+    "place",
+    "register_compressor",
+    "resize",
+    "serve",
+)

@@ -1,0 +1,357 @@
+"""The worker side of the parameter server: chunking, placement, push and pull.
+
+::
+
+    client = await ps.connect(["tcp://h1:7000", "tcp://h2:7000"], worker=rank,
+                              num_workers=n, optimizer=ps.Adam(lr=1e-3))
+    params = await client.init(initial_params)   # the first worker's values win
+    for batch in data:
+        params = await client.push_pull(grads(params, batch))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import rpc
+from ..errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
+from ._compress import Compressor, ErrorFeedback, Payload, compressor_for
+from ._consistency import Mode
+from ._optim import Optimizer
+from ._placement import Chunk, Placement, TensorSpec, chunk_tensors, place
+from .config import Job, PSConfig
+
+__all__ = ("PSClient", "connect")
+
+logger = logging.getLogger(__name__)
+
+Array = np.ndarray[Any, Any]
+_SHARD = "tensorwire.ps.Shard."
+# How long after the server-side wait the RPC deadline falls, so the shard's
+# DeadlineExceeded (which names the workers behind) arrives first.
+_MARGIN = 5.0
+
+
+async def connect(
+    addresses: Sequence[str],
+    *,
+    worker: int,
+    num_workers: int,
+    optimizer: Optimizer,
+    consistency: Mode = "sync",
+    staleness: int = 0,
+    compression: str | Compressor | None = None,
+    config: PSConfig | None = None,
+) -> PSClient:
+    """Connect worker ``worker`` of ``num_workers`` to the shards at ``addresses``.
+
+    Every worker must pass the same addresses in the same order, the same
+    job settings and (in :meth:`PSClient.init`) the same tensor names,
+    shapes and dtypes: the placement is computed, not negotiated.
+
+    Args:
+        addresses: one URL per shard (``tcp://``, ``ucx://``, ``inproc://``).
+        worker: this worker's rank, ``0 <= worker < num_workers``.
+        num_workers: how many workers push.
+        optimizer: the shards' update (:class:`SGD`, :class:`Adam`,
+            :class:`Adagrad`, or :class:`Aggregate` for worker-side updates).
+        consistency: ``"sync"``, ``"ssp"`` or ``"async"``.
+        staleness: for ``"ssp"``, how many steps ahead of the slowest worker
+            this one may run.
+        compression: overrides ``config.compression``.
+        config: chunk size, deadlines, RPC settings.
+
+    Raises:
+        ConfigError: invalid settings.
+        Unavailable: a shard cannot be reached.
+    """
+    config = config or PSConfig()
+    if compression is not None:
+        config = PSConfig(chunk_bytes=config.chunk_bytes, compression=compression,
+                          timeout=config.timeout, retry_timeout=config.retry_timeout,
+                          rpc=config.rpc)
+    job = Job(num_workers, consistency, staleness, optimizer)
+    client = PSClient(addresses, worker=worker, job=job, config=config)
+    try:
+        await client.connect()
+    except BaseException:
+        await client.close()
+        raise
+    return client
+
+
+class PSClient:
+    """One worker's connection to every shard. Make it with :func:`connect`.
+
+    ``push``, ``pull`` and ``push_pull`` take their clock when called and
+    return tasks, so ``pending = client.push(grads)`` overlaps the transfer
+    with computation and a later ``client.pull()`` still reads after it.
+    Don't write into arrays passed to ``push`` until the next push: they are
+    sent without a copy and resent if a shard reconnects.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, worker: int, job: Job,
+                 config: PSConfig) -> None:
+        if not addresses:
+            raise ConfigError("need at least one shard address")
+        if not 0 <= worker < job.num_workers:
+            raise ConfigError(f"worker must be in 0..{job.num_workers - 1}, got {worker}")
+        self.addresses = list(addresses)
+        self.worker = worker
+        self.job = job
+        self.config = config
+        self.compressor = compressor_for(config.compression)
+        self._feedback = ErrorFeedback(self.compressor)
+        self._clients = [rpc.Client(address, config=config.rpc) for address in addresses]
+        self._specs: dict[str, TensorSpec] = {}
+        self._placement: Placement | None = None
+        self._by_shard: list[list[Chunk]] = []
+        self._keys: list[list[str]] = []
+        #: Steps this worker has pushed (the clock of its next push).
+        self.clock = 0
+        self._last_push: dict[int, tuple[int, list[str], list[Payload]]] = {}
+
+    # -- lifetime -------------------------------------------------------------------
+
+    async def connect(self) -> PSClient:
+        """Connect to every shard.
+
+        Raises:
+            Unavailable: a shard cannot be reached.
+        """
+        await asyncio.gather(*(client.connect() for client in self._clients))
+        return self
+
+    async def close(self) -> None:
+        """Close the shard connections (the shards keep their state)."""
+        await asyncio.gather(*(client.close() for client in self._clients),
+                             return_exceptions=True)
+
+    async def __aenter__(self) -> PSClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- placement ------------------------------------------------------------------
+
+    @property
+    def placement(self) -> Placement:
+        """Where each chunk lives (after :meth:`init`).
+
+        Raises:
+            FailedPrecondition: before :meth:`init`.
+        """
+        if self._placement is None:
+            raise FailedPrecondition("call init() first")
+        return self._placement
+
+    @property
+    def imbalance(self) -> float:
+        """Largest shard's bytes over the mean shard's (1.0 is perfect)."""
+        return self.placement.imbalance
+
+    # -- operations -------------------------------------------------------------------
+
+    async def init(self, params: Mapping[str, Array]) -> dict[str, Array]:
+        """Place ``params`` and initialize the shards; the first worker's values win.
+
+        Returns the parameters the shards hold (the winning values), so every
+        worker starts from the same ones.
+
+        Raises:
+            InvalidArgument: a tensor that is not floating point, or shards
+                holding another model under the same names.
+            FailedPrecondition: a shard serves a job with other settings.
+            Unavailable: a shard stayed unreachable.
+        """
+        arrays = {name: np.ascontiguousarray(value) for name, value in params.items()}
+        for name, array in arrays.items():
+            if array.dtype.kind != "f":
+                raise InvalidArgument(f"{name!r}: parameters must be floating point, "
+                                      f"got {array.dtype}")
+        self._specs = {name: TensorSpec.of(name, array) for name, array in arrays.items()}
+        chunks = chunk_tensors(self._specs.values(), self.config.chunk_bytes)
+        self._placement = place(chunks, len(self._clients))
+        self._by_shard = [self._placement.on_shard(s) for s in range(len(self._clients))]
+        self._keys = [[c.key for c in chunks] for chunks in self._by_shard]
+        logger.info("placed %d tensors as %d chunks on %d shards, imbalance %.3f",
+                    len(arrays), len(chunks), len(self._clients), self._placement.imbalance)
+        flat = {name: array.reshape(-1) for name, array in arrays.items()}
+        job = self.job.to_wire()
+        replies = await asyncio.gather(*(
+            self._call(shard, "init", job, self.worker, self._keys[shard],
+                       [flat[c.name][c.start:c.stop] for c in chunks])
+            for shard, chunks in enumerate(self._by_shard) if chunks
+        ))
+        return self._assemble(replies)
+
+    def push(self, grads: Mapping[str, Array]) -> asyncio.Task[None]:
+        """Send this step's gradients; the task finishes when every shard took them.
+
+        In sync mode the task waits while the shards still collect an
+        earlier step of the other workers.
+
+        Raises:
+            FailedPrecondition: before :meth:`init`.
+            InvalidArgument: unknown names or wrong shapes.
+            DeadlineExceeded: (from the task) the wait outlasted ``config.timeout``.
+        """
+        clock, payloads = self._prepare(grads)
+        return asyncio.get_running_loop().create_task(self._push(clock, payloads))
+
+    def pull(self) -> asyncio.Task[dict[str, Array]]:
+        """The parameters once this worker may read them at its clock.
+
+        sync: after every worker's last pushed step was applied; ssp: when
+        the slowest worker is at most ``staleness`` steps behind; async: now.
+        A tensor held as one chunk arrives as a view of the received buffer.
+
+        Raises:
+            FailedPrecondition: before :meth:`init`.
+            DeadlineExceeded: (from the task) the wait outlasted
+                ``config.timeout``; the message names the workers behind.
+        """
+        self.placement  # noqa: B018 - raises before init()
+        return asyncio.get_running_loop().create_task(self._pull(self.clock))
+
+    def push_pull(self, grads: Mapping[str, Array]) -> asyncio.Task[dict[str, Array]]:
+        """``push`` then ``pull`` in one round trip per shard.
+
+        Raises:
+            What :meth:`push` and :meth:`pull` raise.
+        """
+        clock, payloads = self._prepare(grads)
+        return asyncio.get_running_loop().create_task(self._push_pull(clock, payloads))
+
+    async def checkpoint(self) -> list[str]:
+        """Ask every shard to write a checkpoint now; returns their paths.
+
+        Raises:
+            FailedPrecondition: a shard has no checkpoint directory or no job.
+        """
+        paths: list[str] = await asyncio.gather(
+            *(self._call(s, "checkpoint") for s in range(len(self._clients))))
+        return paths
+
+    async def status(self) -> list[dict[str, Any]]:
+        """Each shard's clocks, chunk count, bytes and update count."""
+        result: list[dict[str, Any]] = await asyncio.gather(
+            *(self._call(s, "status") for s in range(len(self._clients))))
+        return result
+
+    # -- internals --------------------------------------------------------------------
+
+    def _prepare(self, grads: Mapping[str, Array]) -> tuple[int, list[list[Payload]]]:
+        """Check and compress the gradients and take a clock, all before any await."""
+        self.placement  # noqa: B018 - raises before init()
+        if set(grads) != set(self._specs):
+            raise InvalidArgument(
+                f"push() needs a gradient for each tensor: unknown "
+                f"{sorted(set(grads) - set(self._specs))}, missing "
+                f"{sorted(set(self._specs) - set(grads))}")
+        flat: dict[str, Array] = {}
+        for name, grad in grads.items():
+            spec = self._specs[name]
+            array = np.asarray(grad)
+            if array.shape != spec.shape:
+                raise InvalidArgument(f"{name!r}: gradient shape {array.shape}, "
+                                      f"parameter shape {spec.shape}")
+            flat[name] = np.ascontiguousarray(array, dtype=np.dtype(spec.dtype)).reshape(-1)
+        payloads = [
+            [self._feedback.compress(c.key, flat[c.name][c.start:c.stop]) for c in chunks]
+            for chunks in self._by_shard
+        ]
+        clock = self.clock
+        self.clock += 1
+        return clock, payloads
+
+    async def _push(self, clock: int, payloads: list[list[Payload]]) -> None:
+        calls = []
+        for shard, items in enumerate(payloads):
+            if not self._keys[shard]:
+                continue
+            keys = self._keys[shard]
+            self._last_push[shard] = (clock, keys, items)
+            calls.append(self._call(shard, "push", self.worker, clock, keys, items,
+                                    self.config.timeout))
+        await asyncio.gather(*calls)
+
+    async def _pull(self, clock: int) -> dict[str, Array]:
+        replies = await asyncio.gather(*(
+            self._call(shard, "pull", self.worker, clock, keys, self.config.timeout)
+            for shard, keys in enumerate(self._keys) if keys
+        ))
+        return self._assemble(replies)
+
+    async def _push_pull(self, clock: int, payloads: list[list[Payload]]) -> dict[str, Array]:
+        calls = []
+        for shard, items in enumerate(payloads):
+            if not self._keys[shard]:
+                continue
+            keys = self._keys[shard]
+            self._last_push[shard] = (clock, keys, items)
+            calls.append(self._call(shard, "push_pull", self.worker, clock, keys, items,
+                                    self.config.timeout))
+        return self._assemble(await asyncio.gather(*calls))
+
+    async def _call(self, shard: int, method: str, *args: Any) -> Any:
+        """Call a shard, retrying while it is unreachable (all methods are idempotent).
+
+        A shard that comes back may have restarted from a checkpoint and lost
+        this worker's last push, so that push goes again before a retried
+        pull (a copy the shard already has is ignored).
+        """
+        client = self._clients[shard]
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.config.retry_timeout
+        timeout = self.config.timeout + _MARGIN
+        pause = 0.05
+        while True:
+            try:
+                return await client.call(_SHARD + method, *args, timeout=timeout,
+                                         idempotent=True)
+            except Unavailable as exc:
+                if loop.time() + pause > give_up:
+                    raise
+                logger.warning("shard %d (%s) unavailable (%s); retrying", shard,
+                               client.address, exc)
+            # A backoff between reconnection attempts, not a wait for an event.
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+            last = self._last_push.get(shard)
+            if method in ("pull", "push_pull") and last is not None and last[0] < args[1]:
+                with_clock, keys, items = last
+                try:
+                    await client.call(_SHARD + "push", self.worker, with_clock, keys, items,
+                                      self.config.timeout, timeout=timeout, idempotent=True)
+                except Unavailable:
+                    continue
+
+    def _assemble(self, replies: Sequence[list[Array]]) -> dict[str, Array]:
+        """Tensors from the chunk values each shard sent back."""
+        placement = self.placement
+        shards = [s for s, keys in enumerate(self._keys) if keys]
+        got: dict[str, Array] = {}
+        for shard, values in zip(shards, replies, strict=True):
+            for key, value in zip(self._keys[shard], values, strict=True):
+                got[key] = value
+        out: dict[str, Array] = {}
+        pieces: dict[str, list[Chunk]] = {}
+        for chunk in placement.chunks:
+            pieces.setdefault(chunk.name, []).append(chunk)
+        for name, chunks in pieces.items():
+            spec = self._specs[name]
+            if len(chunks) == 1:
+                out[name] = np.asarray(got[chunks[0].key]).reshape(spec.shape)
+                continue
+            whole = np.empty(spec.size, np.dtype(spec.dtype))
+            for chunk in chunks:
+                whole[chunk.start:chunk.stop] = got[chunk.key]
+            out[name] = whole.reshape(spec.shape)
+        return out

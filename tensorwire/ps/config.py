@@ -1,0 +1,135 @@
+"""Frozen, validated configuration of parameter-server workers and shards."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..rpc import ClientConfig, ServerConfig
+from ._compress import Compressor, compressor_for
+from ._consistency import MODES, Mode
+from ._optim import Aggregate, Optimizer, optimizer_from_wire
+
+__all__ = ("Job", "PSConfig", "ShardConfig")
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Job:
+    """What every worker and shard of one training job agree on.
+
+    The first worker to initialize a shard sets its job; a worker with a
+    different job is refused (``FailedPrecondition``).
+
+    Attributes:
+        num_workers: how many workers push (ranks ``0 .. num_workers - 1``).
+        consistency: ``"sync"``, ``"ssp"`` (bounded staleness) or ``"async"``.
+        staleness: in ``"ssp"``, how many steps a worker may run ahead of the
+            slowest one.
+        optimizer: the update the shards apply.
+    """
+
+    num_workers: int
+    consistency: Mode
+    staleness: int
+    optimizer: Optimizer
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ConfigError(f"num_workers must be a positive int, got {self.num_workers!r}")
+        if self.consistency not in MODES:
+            raise ConfigError(f"consistency must be one of {MODES}, got {self.consistency!r}")
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ConfigError(f"staleness must be an int >= 0, got {self.staleness!r}")
+        if self.consistency != "ssp" and self.staleness:
+            raise ConfigError("staleness applies to consistency='ssp' only")
+        if not isinstance(self.optimizer, Optimizer):
+            raise ConfigError(f"optimizer must be a ps optimizer, got {self.optimizer!r}")
+        if isinstance(self.optimizer, Aggregate) and self.consistency != "sync":
+            raise ConfigError("Aggregate (worker-side updates) needs consistency='sync'")
+
+    def to_wire(self) -> dict[str, Any]:
+        """A plain dict for the codec and checkpoints."""
+        return {"num_workers": self.num_workers, "consistency": self.consistency,
+                "staleness": self.staleness, "optimizer": self.optimizer.to_wire()}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> Job:
+        """Rebuild from :meth:`to_wire`.
+
+        Raises:
+            ConfigError: missing or invalid fields.
+        """
+        try:
+            return cls(int(wire["num_workers"]), wire["consistency"], int(wire["staleness"]),
+                       optimizer_from_wire(wire["optimizer"]))
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"invalid job description: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PSConfig:
+    """How a worker talks to the shards.
+
+    Attributes:
+        chunk_bytes: largest piece of a tensor placed on one shard.
+        compression: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
+            ``"topk"`` or a :class:`Compressor` (gradients only; parameters
+            come back uncompressed).
+        timeout: deadline in seconds of one push, pull or push_pull,
+            including the wait for other workers.
+        retry_timeout: how long a call keeps retrying a shard that went
+            away (restarting from its checkpoint) before ``Unavailable``.
+        rpc: the RPC client settings of each shard connection.
+    """
+
+    chunk_bytes: int = 4 * MiB
+    compression: str | Compressor = "none"
+    timeout: float = 60.0
+    retry_timeout: float = 30.0
+    rpc: ClientConfig = dataclasses.field(default_factory=ClientConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes must be a positive int, got {self.chunk_bytes!r}")
+        compressor_for(self.compression)
+        for name in ("timeout", "retry_timeout"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"PSConfig.{name} must be positive, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardConfig:
+    """How a shard keeps its state.
+
+    Attributes:
+        checkpoint_dir: where checkpoints go; None keeps no checkpoints.
+            A restarted shard with the same directory restores the newest.
+        checkpoint_interval: seconds between periodic checkpoints (None: none).
+        checkpoint_every: also checkpoint every this many applied updates.
+        keep_checkpoints: how many checkpoint files to keep.
+        rpc: the RPC server settings.
+    """
+
+    checkpoint_dir: Path | None = None
+    checkpoint_interval: float | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
+    rpc: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_dir is not None:
+            object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
+        periodic = self.checkpoint_interval is not None or self.checkpoint_every is not None
+        if periodic and self.checkpoint_dir is None:
+            raise ConfigError("periodic checkpoints need a checkpoint_dir")
+        if self.checkpoint_interval is not None and not self.checkpoint_interval > 0:
+            raise ConfigError("checkpoint_interval must be positive")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ConfigError("checkpoint_every must be at least 1")
+        if self.keep_checkpoints < 1:
+            raise ConfigError("keep_checkpoints must be at least 1")

@@ -1,0 +1,164 @@
+"""A blocking parameter-server client for plain training loops.
+
+Runs a :class:`PSClient` on an event loop in a background thread, like
+:class:`tensorwire.rpc.SyncClient`. The blocking methods wait; the
+``submit_*`` methods return ``concurrent.futures.Future`` objects so
+communication overlaps computation::
+
+    with ps.SyncClient(addresses, worker=rank, num_workers=n,
+                       optimizer=ps.SGD(lr=0.1)) as client:
+        params = client.init(initial)
+        for batch in data:
+            params = client.push_pull(grads(params, batch))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ._compress import Compressor
+from ._consistency import Mode
+from ._optim import Optimizer
+from .client import PSClient, connect
+from .config import PSConfig
+
+__all__ = ("SyncClient",)
+
+T = TypeVar("T")
+Array = np.ndarray[Any, Any]
+
+
+class SyncClient:
+    """Blocking parameter-server calls from any thread; one background loop thread.
+
+    Takes the arguments of :func:`tensorwire.ps.connect` and connects at once.
+    Calls run in the order they are made (each takes its clock then).
+
+    Raises:
+        ConfigError, Unavailable: as :func:`tensorwire.ps.connect`.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        worker: int,
+        num_workers: int,
+        optimizer: Optimizer,
+        consistency: Mode = "sync",
+        staleness: int = 0,
+        compression: str | Compressor | None = None,
+        config: PSConfig | None = None,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name=f"tensorwire-ps worker {worker}", daemon=True)
+        self._thread.start()
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            self._client: PSClient = self._run(connect(
+                addresses, worker=worker, num_workers=num_workers, optimizer=optimizer,
+                consistency=consistency, staleness=staleness, compression=compression,
+                config=config,
+            )).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def client(self) -> PSClient:
+        """The async client underneath (use it only on its own loop)."""
+        return self._client
+
+    @property
+    def imbalance(self) -> float:
+        """See :attr:`PSClient.imbalance`."""
+        return self._client.imbalance
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RuntimeError("the SyncClient is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _start(self, make: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        async def run() -> T:
+            return await make()
+
+        return self._run(run())
+
+    @staticmethod
+    def _wait(future: concurrent.futures.Future[T]) -> T:
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def init(self, params: Mapping[str, Array]) -> dict[str, Array]:
+        """See :meth:`PSClient.init`."""
+        return self._wait(self._start(lambda: self._client.init(params)))
+
+    def submit_push(self, grads: Mapping[str, Array]) -> concurrent.futures.Future[None]:
+        """Start :meth:`PSClient.push`; the future finishes when the shards took it."""
+        return self._start(lambda: self._client.push(grads))
+
+    def submit_pull(self) -> concurrent.futures.Future[dict[str, Array]]:
+        """Start :meth:`PSClient.pull`."""
+        return self._start(self._client.pull)
+
+    def submit_push_pull(
+        self, grads: Mapping[str, Array]
+    ) -> concurrent.futures.Future[dict[str, Array]]:
+        """Start :meth:`PSClient.push_pull`."""
+        return self._start(lambda: self._client.push_pull(grads))
+
+    def push(self, grads: Mapping[str, Array]) -> None:
+        """See :meth:`PSClient.push`; blocks until the shards took the gradients."""
+        self._wait(self.submit_push(grads))
+
+    def pull(self) -> dict[str, Array]:
+        """See :meth:`PSClient.pull`."""
+        return self._wait(self.submit_pull())
+
+    def push_pull(self, grads: Mapping[str, Array]) -> dict[str, Array]:
+        """See :meth:`PSClient.push_pull`."""
+        return self._wait(self.submit_push_pull(grads))
+
+    def checkpoint(self) -> list[str]:
+        """See :meth:`PSClient.checkpoint`."""
+        return self._wait(self._start(self._client.checkpoint))
+
+    def status(self) -> list[dict[str, Any]]:
+        """See :meth:`PSClient.status`."""
+        return self._wait(self._start(self._client.status))
+
+    def close(self) -> None:
+        """Close the shard connections and stop the background thread."""
+        with self._lock:
+            if self._closed:
+                return
+            closing = asyncio.run_coroutine_threadsafe(self._client.close(), self._loop)
+            self._closed = True
+        closing.result()
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
