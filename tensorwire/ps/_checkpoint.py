@@ -89,7 +89,8 @@ def load(path: Path) -> tuple[dict[str, Any], dict[str, Array]]:
         DataLoss: the file is not a readable checkpoint.
     """
     try:
-        with np.load(path, allow_pickle=False) as data:
+        # Our own file object: np.load leaks the one it opens when the zip is bad.
+        with open(path, "rb") as file, np.load(file, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
         meta = json.loads(arrays.pop(_META).tobytes())
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
