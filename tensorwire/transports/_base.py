@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import LimitExceededError, TransportError
+from ..errors import ConnectionClosedError, LimitExceededError, TransportError
 from .config import Limits
 
 __all__ = (
@@ -302,6 +302,24 @@ class Connection(abc.ABC):
         for frames in messages:
             await self.send(frames)
 
+    def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
+        """Send several messages, in order, without waiting where possible.
+
+        Returns None when they went out at once. Otherwise they go out from
+        a background task, after any send in progress, and the returned
+        future completes once they have gone, or fails with what
+        :meth:`send` raises; the frames must stay unchanged until then.
+        A caller that gets a future should await it before the next
+        ``send_nowait``: the connection's memory is the caller's to bound.
+
+        Raises:
+            ConnectionClosedError: the connection is closed or broke.
+            TransportError: a frame is not a usable buffer (nothing was sent).
+        """
+        if self.closed:
+            raise ConnectionClosedError(f"connection to {self.peer_address} is closed")
+        return asyncio.ensure_future(self.send_many(messages))
+
     @abc.abstractmethod
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
         """Receive the next message as a list of frames.
@@ -309,7 +327,10 @@ class Connection(abc.ABC):
         Each frame is allocated at its exact size by ``allocator`` (default:
         the connection's; :func:`default_allocator` gives aligned writable
         NumPy uint8 arrays for host frames and CuPy arrays for device frames),
-        before its data lands, so the data is written once.
+        before its data lands, so the data is written once. A transport may
+        take small messages that arrived whole out of its read-ahead buffer
+        before they are asked for, with the connection's allocator, while
+        the previous ``recv()`` used that allocator too.
 
         Raises:
             ConnectionClosedError: the peer closed, went away, or we closed.

@@ -31,6 +31,13 @@ __all__ = ("StreamConnection", "outgoing")
 
 logger = logging.getLogger(__name__)
 
+#: Small messages that arrived whole are handed to the queue of received
+#: messages even before a recv() asks for them, up to this many: a burst of
+#: small messages from one read then costs the consumer no wake-up and the
+#: socket no pause and resume per message. The bound keeps a consumer that
+#: does not call recv() pushing back on its sender.
+READ_AHEAD_MESSAGES = 64
+
 
 def outgoing(frames: Sequence[Any]) -> list[Any]:
     """The buffers that put ``frames`` on a byte stream: header, then frames.
@@ -56,6 +63,13 @@ def outgoing(frames: Sequence[Any]) -> list[Any]:
     return [pack_header(sizes, devices), *views]
 
 
+def _outgoing_many(messages: Sequence[Sequence[Any]]) -> list[Any]:
+    buffers: list[Any] = []
+    for frames in messages:
+        buffers.extend(outgoing(frames))
+    return buffers
+
+
 class StreamConnection(Connection):
     """A connection over an ordered byte stream, speaking docs/protocol.md."""
 
@@ -79,6 +93,9 @@ class StreamConnection(Connection):
         self._error: TensorwireError | None = None
         self._closing = False
         self._last_activity: float | None = None
+        # Whether the last recv() took the connection's allocator: only then
+        # are small messages allocated ahead of the next recv().
+        self._read_ahead = self._allocator is default_allocator
         # The rest of a message whose sender was cancelled mid-write.
         self._tail: asyncio.Task[None] | None = None
 
@@ -103,21 +120,33 @@ class StreamConnection(Connection):
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:
             raise self._closed_error()
-        buffers = outgoing(frames)
-        async with self._send_lock:
-            await self._after_tail()
-            if self.closed:
-                raise self._closed_error()
-            await self._send_buffers(buffers)
+        await self._send_locked(outgoing(frames))
 
     async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
         # One scatter-gather write for the lot: under load (many RPC replies
         # at once) that is one syscall instead of one per message.
         if self.closed:
             raise self._closed_error()
-        buffers: list[Any] = []
-        for frames in messages:
-            buffers.extend(outgoing(frames))
+        await self._send_locked(_outgoing_many(messages))
+
+    def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
+        if self.closed:
+            raise self._closed_error()
+        buffers = _outgoing_many(messages)
+        if not self._writes_now or self._send_lock.locked() or self._tail is not None:
+            return self._loop.create_task(self._send_locked(buffers))
+        try:
+            self._write_now(buffers)
+        except OSError as exc:
+            raise self._write_failed(exc) from exc
+        if not buffers:
+            return None
+        # The socket is full part-way: the rest follows from a task, and the
+        # next send waits for it, as after a cancelled send.
+        tail = self._tail = self._loop.create_task(self._finish(buffers, report=True))
+        return tail
+
+    async def _send_locked(self, buffers: list[Any]) -> None:
         async with self._send_lock:
             await self._after_tail()
             if self.closed:
@@ -130,6 +159,7 @@ class StreamConnection(Connection):
             return queue.ready.popleft()
         if self._error is not None:
             raise self._closed_error()
+        self._read_ahead = allocator is None and self._allocator is default_allocator
         return await queue.wait(allocator, self._kick)
 
     def _kick(self) -> None:
@@ -237,6 +267,15 @@ class StreamConnection(Connection):
             if reader.frames_announced is None:
                 return self._error is None
             if not self._queue.waiters:
+                if (
+                    self._read_ahead
+                    and reader.message_buffered
+                    and len(self._queue.ready) < READ_AHEAD_MESSAGES
+                ):
+                    # Already received whole: take it out of the read-ahead
+                    # buffer now (see READ_AHEAD_MESSAGES).
+                    reader.allocate(default_allocator)
+                    continue
                 return False
             waiter, allocator = self._queue.waiters[0]
             try:
@@ -264,11 +303,15 @@ class StreamConnection(Connection):
                 self._tail = self._loop.create_task(self._finish(buffers))
             raise
         except OSError as exc:
-            if not isinstance(exc, TensorwireError):
-                error = ConnectionClosedError(f"send to {self._peer_address} failed: {exc}")
-                error.__cause__ = exc
-                self._fail(error)
-            raise self._closed_error() from exc
+            raise self._write_failed(exc) from exc
+
+    def _write_failed(self, exc: OSError) -> TensorwireError:
+        """Fail the connection after a write error; the error to raise."""
+        if not isinstance(exc, TensorwireError):
+            error = ConnectionClosedError(f"send to {self._peer_address} failed: {exc}")
+            error.__cause__ = exc
+            self._fail(error)
+        return self._closed_error()
 
     async def _after_tail(self) -> None:
         """Wait (under the send lock) for the rest of a cancelled send."""
@@ -276,16 +319,25 @@ class StreamConnection(Connection):
         if tail is not None:
             await asyncio.wait([tail])
 
-    async def _finish(self, buffers: list[Any]) -> None:
+    async def _finish(self, buffers: list[Any], *, report: bool = False) -> None:
+        """Write the rest of a message; ``report``: raise what failed (someone
+        awaits this task), else only fail the connection."""
         try:
             await self._write(buffers)
         except OSError as exc:
-            if self._error is None:
-                error = ConnectionClosedError(f"send to {self._peer_address} failed: {exc}")
-                error.__cause__ = exc
-                self._fail(error)
+            error = self._write_failed(exc)
+            if report:
+                raise error from exc
         finally:
             self._tail = None
+
+    #: Whether the driver can write without waiting (``_write_now``).
+    _writes_now = False
+
+    def _write_now(self, buffers: list[Any]) -> None:
+        """Write what the socket takes now, removing it from the front of
+        ``buffers``; raises OSError when the write fails."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     async def _write(self, buffers: list[Any]) -> None:

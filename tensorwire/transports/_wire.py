@@ -168,6 +168,18 @@ class FrameReader:
         return self._infos if self._state is _State.ALLOCATE else None
 
     @property
+    def message_buffered(self) -> bool:
+        """True when the announced message fits one slab and all of it is in
+        the read-ahead buffer already: allocating it with the default
+        allocator completes it at once, and holds no more memory than the
+        read-ahead buffer did."""
+        return (
+            self._state is _State.ALLOCATE
+            and self._slab
+            and self._end - self._start >= self._announced_bytes
+        )
+
+    @property
     def awaiting_handshake(self) -> bool:
         """True until the peer's handshake has arrived and checked out."""
         return self._state is _State.HANDSHAKE

@@ -140,6 +140,19 @@ class SocketConnection(StreamConnection):
                 return
             sock = self._sock
 
+    _writes_now = True
+
+    def _write_now(self, buffers: list[Any]) -> None:
+        sock = self._sock
+        if sock is None:
+            raise self._closed_error()
+        while buffers:
+            try:
+                sent = sock.sendmsg(buffers[:_IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                return
+            buffers[:] = _advance(buffers, sent)
+
     async def _write(self, buffers: list[Any]) -> None:
         while buffers:
             sock = self._sock

@@ -458,3 +458,63 @@ async def test_a_cancelled_send_finishes_its_message_and_the_connection_lives(
         await asyncio.wait_for(done.wait(), 30)
         await conn.close()
     assert received == [16 << 20, 5]
+
+
+async def test_send_nowait_keeps_order_with_sends_and_reports_when_done(listen_url: str) -> None:
+    release = asyncio.Event()
+    received: list[bytes] = []
+    done = asyncio.Event()
+
+    async def slow(conn: Connection) -> None:
+        await release.wait()
+        with contextlib.suppress(ConnectionClosedError):
+            while True:
+                frames = await conn.recv()
+                received.append(as_bytes(frames[0])[:8])
+                if len(received) == 5:
+                    done.set()
+
+    small = TransportConfig(socket_sndbuf=1 << 16, socket_rcvbuf=1 << 16)
+    async with serving(listen_url, slow, small) as listener:
+        conn = await connect(listener.address, config=small)
+        # Small messages go out at once, or from the background on a
+        # transport that cannot write without waiting.
+        first = conn.send_nowait([[b"first..."], [b"second.."]])
+        if first is not None:
+            await asyncio.wait_for(first, 30)
+        # 16 MiB does not fit the socket while the peer reads nothing: the
+        # rest goes out in the background and the future says when.
+        big = conn.send_nowait([[b"big.....", np.zeros(16 << 20, np.uint8)]])
+        assert big is not None
+        queued = conn.send_nowait([[b"after..."]])
+        last = asyncio.create_task(conn.send([b"last...."]))
+        await asyncio.sleep(0.2)
+        if not listen_url.startswith("inproc"):  # inproc:// passes frames by reference
+            assert not big.done()
+        release.set()
+        await asyncio.wait_for(asyncio.gather(big, *([queued] if queued else []), last), 30)
+        await asyncio.wait_for(done.wait(), 30)
+        await conn.close()
+    assert received == [b"first...", b"second..", b"big.....", b"after...", b"last...."]
+
+
+async def test_send_nowait_on_a_closed_connection_raises(listen_url: str) -> None:
+    async with serving(listen_url) as listener:
+        conn = await connect(listener.address)
+        await conn.close()
+        with pytest.raises(ConnectionClosedError):
+            conn.send_nowait([[b"late"]])
+
+
+async def test_small_messages_read_ahead_keep_order_and_a_big_one_gets_its_allocator(
+    listen_url: str,
+) -> None:
+    target = np.empty(1 << 20, np.uint8)
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        await conn.send_many([[f"s{i}".encode()] for i in range(100)] + [[pattern(1 << 20)]])
+        for i in range(100):
+            (frame,) = await asyncio.wait_for(conn.recv(), 30)
+            assert as_bytes(frame) == f"s{i}".encode()
+        (frame,) = await asyncio.wait_for(conn.recv(allocator=lambda info: target), 30)
+        assert frame is target
+        assert np.array_equal(target, pattern(1 << 20))

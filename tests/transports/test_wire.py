@@ -147,3 +147,24 @@ def test_handshake_is_checked() -> None:
         feed(FrameReader(Limits()), b"SSH-2.0-OpenSSH", [100])
     with pytest.raises(ProtocolError, match="version 2"):
         feed(FrameReader(Limits()), b"TWIR\x02\0\0\0", [100])
+
+
+def test_message_buffered_only_for_a_small_message_wholly_in_the_read_ahead_buffer() -> None:
+    reader = FrameReader(Limits())
+    small = stream_of([[b"abc", b"defg"]])
+    buffer = reader.get_buffer()
+    buffer[: len(small) - 1] = small[:-1]
+    reader.buffer_updated(len(small) - 1)
+    assert reader.frames_announced is not None
+    assert not reader.message_buffered  # one byte is still missing
+    reader.get_buffer()[:1] = small[-1:]
+    reader.buffer_updated(1)
+    assert reader.message_buffered
+    reader.allocate(default_allocator)
+    assert [bytes(f) for f in reader.events.popleft()] == [b"abc", b"defg"]
+
+    big = pack_header([DIRECT_MIN * 2], ["cpu"])
+    reader.get_buffer()[: len(big)] = big
+    reader.buffer_updated(len(big))
+    assert reader.frames_announced is not None
+    assert not reader.message_buffered  # beyond one slab: its allocator decides
