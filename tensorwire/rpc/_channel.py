@@ -19,9 +19,13 @@ from ..transports import Connection
 from . import protocol
 from .protocol import Message
 
-__all__ = ("Channel", "frames_nbytes")
+__all__ = ("BATCH", "Channel", "frames_nbytes")
 
 logger = logging.getLogger(__name__)
+
+#: Messages gathered in one loop turn are written together, at most this many
+#: per write (see ``Channel.post``).
+BATCH = 16
 
 
 def frames_nbytes(frames: list[Any]) -> int:
@@ -54,10 +58,15 @@ class Channel:
         self.loop = self._loop = asyncio.get_running_loop()
         self._last_seen = self._loop.time()
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[Any]] = set()
-        self._writing = False
-        self._outbox: list[list[Any]] | None = None
+        # Messages not yet handed to the transport, and the future of their
+        # senders (made when someone waits for them).
+        self._outbox: list[list[Any]] = []
         self._flushed: asyncio.Future[None] | None = None
+        # Set while the transport writes a batch it could not take at once,
+        # with the future of that batch's senders.
+        self._writing: asyncio.Future[None] | None = None
+        self._writing_flushed: asyncio.Future[None] | None = None
+        self._turn: asyncio.Handle | None = None
         self.error: TensorwireError | None = None
 
     @property
@@ -68,105 +77,105 @@ class Channel:
         self._tasks.append(self._loop.create_task(self._read_loop()))
         self._tasks.append(self._loop.create_task(self._watchdog()))
 
-    async def send(self, message: Message) -> int:
-        """Send ``message``; returns the bytes it took.
+    def post(self, message: Message) -> int:
+        """Queue ``message`` for sending without waiting; returns its size.
 
-        A message goes out at once. Only while a write is stuck (the socket
-        is full) do later messages queue up; the stuck writer then sends them
-        all in one ``send_many``. Gathering more eagerly would make the two
-        ends take turns instead of working at the same time.
+        The first message of an event-loop turn is written at once, so that
+        the peer starts on it while this side works on; later ones in the
+        same turn are gathered and written together, every ``BATCH``
+        messages and at the end of the turn, one system call for many small
+        messages. While the transport cannot take more (a full socket),
+        messages wait here, in order. Gathering every message of a turn
+        before writing anything made the two ends take turns instead of
+        working at the same time.
 
         Raises:
             Unavailable: the connection is gone.
         """
+        return frames_nbytes(self._post(message))
+
+    def _post(self, message: Message) -> list[Any]:
         if self.error is not None:
             raise _unavailable(self.error)
         frames = protocol.encode(message)
-        if self._writing:
-            if self._outbox is None:
-                self._outbox = []
+        outbox = self._outbox
+        outbox.append(frames)
+        if self._writing is None:
+            if self._turn is None:
+                self._turn = self._loop.call_soon(self._end_turn)
+                self._flush()
+            elif len(outbox) >= BATCH:
+                self._flush()
+        return frames
+
+    async def send(self, message: Message) -> int:
+        """Send ``message``, waiting only while the transport cannot take it
+        at once; returns the bytes it took. A cancelled wait does not take
+        the message back: it still goes out, in order.
+
+        Raises:
+            Unavailable: the connection is gone.
+        """
+        frames = self._post(message)
+        if self._outbox and self._outbox[-1] is frames:
+            if self._flushed is None:
                 self._flushed = self._loop.create_future()
-            self._outbox.append(frames)
-            flushed = self._flushed
-            assert flushed is not None
-            # Shielded: one sender giving up must not fail the others.
-            await asyncio.shield(flushed)
-            return frames_nbytes(frames)
-        self._writing = True
-        try:
-            await self.conn.send(frames)
-        except asyncio.CancelledError:
-            # The transport finishes a message it had started; what queued
-            # behind it still goes out, from a task of the channel's own.
-            self._drain_later()
-            raise
-        except BaseException as exc:
-            self._writing = False
-            self._fail_queued(exc)
-            if isinstance(exc, ConnectionClosedError):
-                self.close_with(exc)
-                raise _unavailable(exc) from exc
-            raise
-        if self._outbox:
-            await self._drain()
-        else:
-            self._writing = False
+            await asyncio.shield(self._flushed)
+        elif self._writing is not None:
+            written = self._writing_flushed
+            if written is None:
+                written = self._writing_flushed = self._loop.create_future()
+            await asyncio.shield(written)
         return frames_nbytes(frames)
 
-    async def _drain(self) -> None:
-        """Send what queued behind a stuck write, batch by batch."""
-        in_flight: asyncio.Future[None] | None = None
-        try:
-            while self._outbox:
-                batch, in_flight = self._outbox, self._flushed
-                self._outbox, self._flushed = None, None
-                await self.conn.send_many(batch)
-                assert in_flight is not None
-                in_flight.set_result(None)
-                in_flight = None
-        except asyncio.CancelledError:
-            if in_flight is not None:
-                # Started batches are finished by the transport.
-                in_flight.set_result(None)
-            self._drain_later()
-            raise
-        except BaseException as exc:
-            if in_flight is not None:
-                in_flight.set_exception(_unavailable(exc))
-            self._writing = False
-            self._fail_queued(exc)
-            if isinstance(exc, ConnectionClosedError):
-                self.close_with(exc)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            self._writing = False
-
-    def _drain_later(self) -> None:
-        if not self._outbox:
-            self._writing = False
-            return
-        task = self._loop.create_task(self._drain())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _fail_queued(self, exc: BaseException) -> None:
-        """Whoever queued behind a failed write learns that it failed too."""
-        queued, self._flushed, self._outbox = self._flushed, None, None
-        if queued is not None:
-            queued.set_exception(_unavailable(exc))
-
     def send_soon(self, message: Message) -> None:
-        """Send without waiting (pongs, cancels); failures only close the channel."""
-        if self.error is not None:
-            return
-        task = self._loop.create_task(self._send_quietly(message))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        """Send without waiting (pongs, cancels, credits); a closed channel drops it."""
+        if self.error is None:
+            self._post(message)
 
-    async def _send_quietly(self, message: Message) -> None:
-        with contextlib.suppress(TensorwireError):
-            await self.send(message)
+    def _end_turn(self) -> None:
+        self._turn = None
+        if self._outbox and self._writing is None and self.error is None:
+            self._flush()
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        flushed, self._flushed = self._flushed, None
+        try:
+            writing = self.conn.send_nowait(batch)
+        except TensorwireError as exc:
+            # Closed, or a frame the transport cannot send (a bug: serde
+            # makes only contiguous buffers): either way the stream is done.
+            _fail(flushed, exc)
+            self.close_with(exc)
+            return
+        if writing is None:
+            if flushed is not None:
+                flushed.set_result(None)
+            return
+        self._writing, self._writing_flushed = writing, flushed
+        writing.add_done_callback(self._written)
+
+    def _written(self, writing: asyncio.Future[None]) -> None:
+        flushed, self._writing, self._writing_flushed = self._writing_flushed, None, None
+        error = (ConnectionClosedError("send cancelled") if writing.cancelled()
+                 else writing.exception())
+        if error is None:
+            if flushed is not None:
+                flushed.set_result(None)
+            if self._outbox and self.error is None:
+                self._flush()
+            return
+        _fail(flushed, error)
+        self.close_with(error if isinstance(error, TensorwireError)
+                        else TransportError(f"send failed: {error!r}"))
+
+    def _fail_queued(self, error: TensorwireError) -> None:
+        """Whoever waits for a message that now cannot go learns why."""
+        self._outbox = []
+        _fail(self._flushed, error)
+        _fail(self._writing_flushed, error)
+        self._flushed = self._writing_flushed = None
 
     def close_with(self, error: TensorwireError) -> None:
         """Abort the connection and tell the session why; idempotent."""
@@ -174,6 +183,7 @@ class Channel:
             return
         self.error = error
         self.conn.abort()
+        self._fail_queued(error)
         current = asyncio.current_task()
         for task in self._tasks:
             if task is not current:
@@ -184,6 +194,17 @@ class Channel:
         """Close the connection politely and wait for the channel's tasks."""
         if self.error is None:
             self.error = ConnectionClosedError("closed by this side")
+            outbox, flushed = self._outbox, self._flushed
+            self._outbox, self._flushed = [], None
+            if outbox:
+                # What was queued still goes out, before the goodbye.
+                try:
+                    await self.conn.send_many(outbox)
+                except TransportError as exc:
+                    _fail(flushed, exc)
+                    flushed = None
+            if flushed is not None:
+                flushed.set_result(None)
             with contextlib.suppress(TransportError):
                 await self.conn.close()
             for task in self._tasks:
@@ -193,7 +214,7 @@ class Channel:
 
     async def wait_closed(self) -> None:
         current = asyncio.current_task()
-        pending = [t for t in (*self._tasks, *self._background) if t is not current]
+        pending = [t for t in self._tasks if t is not current]
         await asyncio.gather(*pending, return_exceptions=True)
 
     async def _read_loop(self) -> None:
@@ -232,6 +253,12 @@ class Channel:
             if self._ping_interval is not None and now >= next_ping:
                 next_ping = now + self._ping_interval
                 self.send_soon(protocol.Ping(0))
+
+
+def _fail(waiting: asyncio.Future[None] | None, error: BaseException) -> None:
+    if waiting is not None and not waiting.done():
+        waiting.set_exception(_unavailable(error))
+        waiting.exception()  # retrieved: its sender may have stopped waiting
 
 
 def _unavailable(error: BaseException) -> Unavailable:

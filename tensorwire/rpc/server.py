@@ -306,7 +306,7 @@ class _Session:
             return
         call = _Call(self, request, nbytes)
         self.calls[call_id] = call
-        call.task.add_done_callback(lambda _: self.calls.pop(call_id, None))
+        call.task.add_done_callback(call.forget)
 
 
 class _InStream:
@@ -411,8 +411,14 @@ class _Call:
 
     def _expire(self) -> None:
         self._expired = True
-        self.session.calls.pop(self.call_id, None)
+        self.forget()
         self.task.cancel()
+
+    def forget(self, _: object = None) -> None:
+        """Stop counting this call against the connection's limit."""
+        calls = self.session.calls
+        if calls.get(self.call_id) is self:
+            del calls[self.call_id]
 
     def count_in(self, nbytes: int) -> None:
         if self.metrics is not None:
@@ -424,10 +430,21 @@ class _Call:
             self.metrics.bytes_out += sent
 
     async def _run(self) -> None:
+        reply = await self._reply()
+        # The call's slot is free, and its metrics complete, before the
+        # client has its answer and may send the next call.
+        self.forget()
+        if reply is not None:
+            with contextlib.suppress(Unavailable):
+                await self._send(reply)
+
+    async def _reply(self) -> protocol.Message | None:
+        """Run the handler; the unary reply or error to send, if any."""
         server = self.session.server
         request = self.request
         started = time.perf_counter()
         failed = True
+        reply: protocol.Message | None = None
         try:
             handler = server._handler(request.method)
             self.metrics = handler.metrics
@@ -445,9 +462,7 @@ class _Call:
                         await self._stream(handler, args, kwargs)
                     else:
                         result = await handler.func(*args, **kwargs)
-                        await self._send(
-                            protocol.Response(self.call_id, _encode(result, handler.name))
-                        )
+                        reply = protocol.Response(self.call_id, _encode(result, handler.name))
                 except asyncio.CancelledError:
                     if not self._expired or self.task.uncancel() > 0:
                         raise
@@ -463,16 +478,13 @@ class _Call:
             # Never swallowed; a cancel from the client needs no reply.
             raise
         except Exception as exc:
-            await self._fail(exc)
+            if not isinstance(exc, RemoteError):
+                logger.debug("%s raised", request.method, exc_info=exc)
+            reply = _error_message(self.call_id, exc)
         finally:
             if self.metrics is not None:
                 self.metrics.observe(time.perf_counter() - started, error=failed)
-
-    async def _fail(self, error: BaseException) -> None:
-        if not isinstance(error, RemoteError):
-            logger.debug("%s raised", self.request.method, exc_info=error)
-        with contextlib.suppress(Unavailable):
-            await self._send(_error_message(self.call_id, error))
+        return reply
 
     def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
         value = _decode(self.request.value, f"the arguments of {handler.name}")
