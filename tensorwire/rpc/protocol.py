@@ -1,10 +1,12 @@
 """The RPC protocol, sans-IO: frames in, typed messages out, and back.
 
 No sockets, no event loop (h11's shape). Every RPC message is one transport
-message whose frame 0 is a msgpack array ``[kind, call_id, *fields]``; kinds
-that carry a value (a request's arguments, a result, a stream item) append
-the value's ``serde.encode`` frames: ``[header, *buffers]``. The layout is
-in docs/protocol.md ("RPC messages").
+message. The kinds that carry a value (REQUEST, RESPONSE, ITEM: the per-call
+hot path) start frame 0 with a fixed little-endian binary header, followed
+in the same frame by the value's serde header; the value's buffers are the
+frames after it. Every other kind's frame 0 is a msgpack array
+``[kind, call_id, *fields]``. The layout is in docs/protocol.md ("RPC
+messages").
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import dataclasses
 import enum
 import hashlib
 import hmac
+import math
 import os
+import struct
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -45,10 +49,20 @@ __all__ = (
     "parse",
 )
 
-RPC_VERSION = 1
+#: 2: REQUEST, RESPONSE and ITEM with a fixed binary header that shares
+#: frame 0 with the value's serde header (1: msgpack header, separate frame).
+RPC_VERSION = 2
 NONCE_BYTES = 16
-#: An RPC header is a handful of small fields; anything larger is hostile.
+#: A msgpack RPC header is a handful of small fields; anything larger is
+#: hostile. (A value's serde header has the serde limits.)
 MAX_HEADER_BYTES = 64 * 1024
+#: REQUEST: kind, flags, method length, stream_arg, call_id, timeout; then
+#: the method name (UTF-8) and the serde header.
+_REQUEST = struct.Struct("<BBHiQd")
+#: RESPONSE and ITEM: kind, three reserved zero bytes, reserved zero u32,
+#: call_id; then the serde header.
+_REPLY = struct.Struct("<BBHIQ")
+_HAS_TIMEOUT = 1
 #: ERROR's message and traceback are cut to this many characters each, so
 #: that a huge exception text cannot push a header past MAX_HEADER_BYTES.
 MAX_ERROR_TEXT = 16 * 1024
@@ -205,7 +219,9 @@ _CLASSES: dict[int, type[Message]] = {
         Credit, Ping, Pong,
     )
 }
-_WITH_VALUE = frozenset({Kind.REQUEST, Kind.RESPONSE, Kind.ITEM})
+#: The kinds with a binary header and a value (no msgpack header starts with
+#: these bytes: a msgpack header is an array).
+_BINARY = frozenset({Kind.REQUEST, Kind.RESPONSE, Kind.ITEM})
 #: Field name -> the Python types a peer may send for it.
 _TYPES: dict[str, tuple[type, ...]] = {
     "version": (int,),
@@ -227,9 +243,75 @@ _TYPES: dict[str, tuple[type, ...]] = {
 
 def encode(message: Message) -> list[Any]:
     """The transport frames of ``message``."""
+    cls = type(message)
+    if cls is Response or cls is Item:
+        value = message.payload
+        return [_REPLY.pack(cls.kind, 0, 0, 0, message.call_id) + value[0], *value[1:]]
+    if cls is Request:
+        assert isinstance(message, Request)
+        return _encode_request(message)
     head = [int(message.kind), message.call_id]
     head.extend(getattr(message, name) for name in message.fields)
     return [msgpack.packb(head, use_bin_type=True), *message.payload]
+
+
+def _encode_request(message: Request) -> list[Any]:
+    method = message.method.encode()
+    if len(method) > 0xFFFF:
+        raise ProtocolError(f"method name of {len(method)} bytes exceeds 65535")
+    timeout = message.timeout
+    value = message.value
+    head = _REQUEST.pack(
+        Kind.REQUEST,
+        0 if timeout is None else _HAS_TIMEOUT,
+        len(method),
+        message.stream_arg,
+        message.call_id,
+        0.0 if timeout is None else timeout,
+    )
+    return [head + method + value[0], *value[1:]]
+
+
+def _parse_binary(kind: int, view: memoryview, frames: Sequence[Any]) -> Message:
+    """REQUEST, RESPONSE or ITEM: the fixed header, then the serde header."""
+    size = view.nbytes
+    if kind == Kind.REQUEST:
+        if size < _REQUEST.size:
+            raise ProtocolError(f"REQUEST header of {size} bytes is cut short")
+        _, flags, length, stream_arg, call_id, timeout = _REQUEST.unpack_from(view)
+        start = _REQUEST.size + length
+        if flags & ~_HAS_TIMEOUT:
+            raise ProtocolError(f"unknown REQUEST flags {flags:#x}")
+        if stream_arg < -1:
+            raise ProtocolError(f"bad REQUEST stream_arg {stream_arg}")
+        if flags:
+            # NaN would corrupt the server's timer heap; negative or
+            # infinite deadlines have no meaning.
+            if not (0 <= timeout < _MAX_TIMEOUT):
+                raise ProtocolError(
+                    f"REQUEST timeout must be finite and >= 0, got {timeout!r}"
+                )
+        elif timeout != 0 or math.copysign(1, timeout) < 0:
+            raise ProtocolError("REQUEST without a timeout must carry 0.0 there")
+        if size <= start:
+            raise ProtocolError("REQUEST without its value")
+        try:
+            method = str(view[_REQUEST.size : start], "utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("REQUEST method name is not UTF-8") from None
+        if call_id >= 1 << 63:
+            raise ProtocolError(f"bad call id {call_id}")
+        return Request(call_id, method, timeout if flags else None, stream_arg,
+                       [view[start:], *frames[1:]])
+    if size <= _REPLY.size:
+        raise ProtocolError(f"{Kind(kind).name} without its value")
+    _, zero1, zero2, zero3, call_id = _REPLY.unpack_from(view)
+    if zero1 or zero2 or zero3:
+        raise ProtocolError(f"nonzero reserved bytes in a {Kind(kind).name} header")
+    if call_id >= 1 << 63:
+        raise ProtocolError(f"bad call id {call_id}")
+    value = [view[_REPLY.size :], *frames[1:]]
+    return Response(call_id, value) if kind == Kind.RESPONSE else Item(call_id, value)
 
 
 def parse(frames: Sequence[Any]) -> Message:
@@ -242,7 +324,12 @@ def parse(frames: Sequence[Any]) -> Message:
     if not frames:
         raise ProtocolError("empty RPC message")
     raw = frames[0]
-    size = memoryview(raw).nbytes
+    view = memoryview(raw)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    size = view.nbytes
+    if size and view[0] in _BINARY:
+        return _parse_binary(view[0], view, frames)
     if size > MAX_HEADER_BYTES:
         raise ProtocolError(f"RPC header of {size} bytes exceeds {MAX_HEADER_BYTES}")
     try:
@@ -268,18 +355,10 @@ def parse(frames: Sequence[Any]) -> Message:
                 f"{cls.kind.name}.{name} must be {_TYPES[name][0].__name__}, "
                 f"got {type(value).__name__}"
             )
-    if cls is Request:
-        timeout = values[1]
-        # NaN would corrupt the server's timer heap; negative or infinite
-        # deadlines have no meaning.
-        if timeout is not None and not (0 <= timeout < _MAX_TIMEOUT):
-            raise ProtocolError(f"REQUEST timeout must be finite and >= 0, got {timeout!r}")
-    elif cls is Welcome and values[3] < 1:
+    if cls.kind in _BINARY:
+        raise ProtocolError(f"{cls.kind.name} must have the binary header of RPC version 2")
+    if cls is Welcome and values[3] < 1:
         raise ProtocolError(f"WELCOME.max_concurrent must be at least 1, got {values[3]}")
-    if cls.kind in _WITH_VALUE:
-        if len(frames) < 2:
-            raise ProtocolError(f"{cls.kind.name} without its value")
-        return cls(call_id, *values, list(frames[1:]))  # type: ignore[call-arg]
     if len(frames) != 1:
         raise ProtocolError(f"{cls.kind.name} carries no value, got {len(frames) - 1} frames")
     return cls(call_id, *values)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import struct
+
 import msgpack
+import numpy as np
 import pytest
 
 from tensorwire.errors import ProtocolError, Status, Unauthenticated
@@ -46,7 +49,8 @@ def test_every_message_round_trips(message: p.Message) -> None:
         ([msgpack.packb([20, -1])], "bad call id"),
         ([msgpack.packb([13, 1, "extra"])], "takes 0 fields, got 1"),
         ([msgpack.packb([16, 1, "many"])], "count must be int"),
-        ([msgpack.packb([10, 1, "Store.get", 1.0, -1])], "without its value"),
+        ([msgpack.packb([10, 1, "Store.get", 1.0, -1]), b"h"], "binary header"),
+        ([msgpack.packb([11, 1]), b"h"], "binary header"),
         ([msgpack.packb([20, 0]), b"stray"], "carries no value"),
         ([b"\x91" + b"\xc4\xff" + b"x" * 70_000], "exceeds"),
     ],
@@ -54,6 +58,66 @@ def test_every_message_round_trips(message: p.Message) -> None:
 def test_malformed_messages_are_protocol_errors(frames: list[bytes], match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         p.parse(frames)
+
+
+def _request(flags: int = 1, length: int = 9, stream_arg: int = -1, call_id: int = 7,
+             timeout: float = 1.5, rest: bytes = b"Store.getTWS") -> bytes:
+    return struct.pack("<BBHiQd", 10, flags, length, stream_arg, call_id, timeout) + rest
+
+
+def test_request_layout_is_the_documented_one() -> None:
+    frames = p.encode(p.Request(7, "Store.get", 1.5, 2, [b"TWS-header", b"buffer"]))
+    assert frames[1:] == [b"buffer"]
+    assert frames[0] == (struct.pack("<BBHiQd", 10, 1, 9, 2, 7, 1.5)
+                         + b"Store.get" + b"TWS-header")
+    frames = p.encode(p.Request(8, "S.m", None, -1, [b"h"]))
+    assert frames == [struct.pack("<BBHiQd", 10, 0, 3, -1, 8, 0.0) + b"S.mh"]
+
+
+def test_response_and_item_layout_is_the_documented_one() -> None:
+    assert p.encode(p.Response(5, [b"head", b"buf"])) == [
+        struct.pack("<BBHIQ", 11, 0, 0, 0, 5) + b"head", b"buf"
+    ]
+    assert p.encode(p.Item(6, [b"head"])) == [struct.pack("<BBHIQ", 14, 0, 0, 0, 6) + b"head"]
+
+
+def test_binary_messages_parse_from_numpy_frames_as_views() -> None:
+    frame = np.frombuffer(p.encode(p.Response(3, [b"head"]))[0], np.uint8).copy()
+    message = p.parse([frame, b"buf"])
+    assert isinstance(message, p.Response) and message.call_id == 3
+    header = message.value[0]
+    assert bytes(header) == b"head" and message.value[1:] == [b"buf"]
+    frame[-4:] = np.frombuffer(b"HEAD", np.uint8)
+    assert bytes(header) == b"HEAD"  # a view of the received frame, not a copy
+
+
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        (_request()[:23], "cut short"),
+        (_request(flags=3), "unknown REQUEST flags"),
+        (_request(stream_arg=-2), "stream_arg"),
+        (_request(timeout=float("nan")), "finite"),
+        (_request(timeout=-1.0), "finite"),
+        (_request(timeout=float("inf")), "finite"),
+        (_request(flags=0, timeout=2.0), "carry 0.0"),
+        (_request(length=12), "without its value"),
+        (_request(length=200), "without its value"),
+        (_request(rest=b"\xff\xfe.getxyz" + b"TWS"), "UTF-8"),
+        (_request(call_id=1 << 63), "bad call id"),
+        (struct.pack("<BBHIQ", 11, 0, 0, 0, 1), "without its value"),
+        (struct.pack("<BBHIQ", 14, 0, 1, 0, 1) + b"h", "nonzero reserved"),
+        (struct.pack("<BBHIQ", 11, 0, 0, 0, 1 << 63) + b"h", "bad call id"),
+    ],
+)
+def test_malformed_binary_headers_are_protocol_errors(frame: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        p.parse([frame])
+
+
+def test_a_method_name_beyond_the_length_field_is_refused() -> None:
+    with pytest.raises(ProtocolError, match="65535"):
+        p.encode(p.Request(1, "x" * 70_000, None, -1, [b"h"]))
 
 
 def _run(client: p.ClientHandshake, server: p.ServerHandshake) -> p.Message | None:
