@@ -8,7 +8,7 @@
     client = await ps.connect(["tcp://h1:7000", "tcp://h2:7000"], worker=rank,
                               num_workers=n, consistency="ssp", staleness=2,
                               compression="topk", optimizer=ps.Adam(lr=1e-3))
-    params = await client.init(initial_params)     # the first worker's values win
+    params = await client.init(initial_params)     # worker 0's values win
     await client.push(grads)
     params = await client.pull()                   # or: await client.push_pull(grads)
 

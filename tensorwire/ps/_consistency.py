@@ -66,12 +66,14 @@ class Clocks:
         if not 0 <= worker < self.num_workers:
             raise InvalidArgument(f"worker {worker} is not in 0..{self.num_workers - 1}")
 
-    def admit(self, worker: int, clock: int) -> Decision:
+    def admit(self, worker: int, clock: int, seen: int = 0) -> Decision:
         """May the push of ``worker`` for step ``clock`` be applied now?
 
-        In sync mode a push for a step beyond the one being collected, when
-        nothing of that step has arrived, means this shard lost steps (it was
-        restored from an older checkpoint): it jumps ahead to ``clock``.
+        ``seen`` is the clock of the worker's latest read from this shard. In
+        sync mode, a ``seen`` beyond the step being collected, or a push for
+        a later step when nothing of the current one has arrived, means this
+        shard lost steps (it was restored from an older checkpoint): it jumps
+        ahead, dropping what it collected of the lost step.
 
         Raises:
             InvalidArgument: unknown worker or a negative clock.
@@ -81,15 +83,21 @@ class Clocks:
             raise InvalidArgument(f"clock must be at least 0, got {clock}")
         if self.mode != "sync":
             return Decision.APPLY
+        if seen > self.step:
+            self._skip_to(seen)
         if clock < self.step or (clock == self.step and worker in self.done):
             return Decision.DUPLICATE
         if clock > self.step:
             if self.done:
                 return Decision.WAIT
-            self.lost_steps += clock - self.step
-            self.step = clock
-            self.clocks = [max(c, clock) for c in self.clocks]
+            self._skip_to(clock)
         return Decision.APPLY
+
+    def _skip_to(self, step: int) -> None:
+        self.lost_steps += step - self.step
+        self.step = step
+        self.done.clear()
+        self.clocks = [max(c, step) for c in self.clocks]
 
     def record(self, worker: int, clock: int) -> bool:
         """Note that the push of ``worker`` for ``clock`` was taken.

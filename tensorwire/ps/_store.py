@@ -94,9 +94,17 @@ class ShardStore:
 
     # -- pushes ----------------------------------------------------------------
 
-    def admit(self, worker: int, clock: int) -> Decision:
+    def admit(self, worker: int, clock: int, seen: int = 0) -> Decision:
         """See :meth:`Clocks.admit`."""
-        return self.clocks.admit(worker, clock)
+        step = self.clocks.step
+        decision = self.clocks.admit(worker, clock, seen)
+        if self.clocks.step != step:
+            # Skipped ahead: what was being collected belongs to a step the
+            # workers already finished before this shard lost it.
+            for entry in self.entries.values():
+                entry.acc = None
+                entry.contributors.clear()
+        return decision
 
     def push(self, worker: int, clock: int, keys: Sequence[str],
              payloads: Sequence[Payload]) -> bool:

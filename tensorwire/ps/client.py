@@ -4,7 +4,7 @@
 
     client = await ps.connect(["tcp://h1:7000", "tcp://h2:7000"], worker=rank,
                               num_workers=n, optimizer=ps.Adam(lr=1e-3))
-    params = await client.init(initial_params)   # the first worker's values win
+    params = await client.init(initial_params)   # worker 0's values win
     for batch in data:
         params = await client.push_pull(grads(params, batch))
 """
@@ -114,7 +114,9 @@ class PSClient:
         self._keys: list[list[str]] = []
         #: Steps this worker has pushed (the clock of its next push).
         self.clock = 0
-        self._last_push: dict[int, tuple[int, list[str], list[Payload]]] = {}
+        self._last_push: dict[int, tuple[Any, ...]] = {}
+        #: Per shard: the clock of this worker's latest read there.
+        self._seen: list[int] = [0] * len(self._clients)
 
     # -- lifetime -------------------------------------------------------------------
 
@@ -159,10 +161,14 @@ class PSClient:
     # -- operations -------------------------------------------------------------------
 
     async def init(self, params: Mapping[str, Array]) -> dict[str, Array]:
-        """Place ``params`` and initialize the shards; the first worker's values win.
+        """Place ``params`` and initialize the shards with worker 0's values.
 
-        Returns the parameters the shards hold (the winning values), so every
-        worker starts from the same ones.
+        Worker 0 sends its values to chunks that have none yet (a shard
+        restored from a checkpoint keeps its own); the other workers send
+        only the layout and wait, up to ``config.timeout``, for worker 0.
+        Returns the parameters the shards hold, so every worker starts from
+        the same ones. (Per-chunk "first arrival wins" would mix workers'
+        values when different workers reach different shards first.)
 
         Raises:
             InvalidArgument: a tensor that is not floating point, or shards
@@ -184,9 +190,11 @@ class PSClient:
                     len(arrays), len(chunks), len(self._clients), self._placement.imbalance)
         flat = {name: array.reshape(-1) for name, array in arrays.items()}
         job = self.job.to_wire()
+        leader = self.worker == 0
         replies = await asyncio.gather(*(
             self._call(shard, "init", job, self.worker, self._keys[shard],
-                       [flat[c.name][c.start:c.stop] for c in chunks])
+                       [flat[c.name][c.start:c.stop] for c in chunks] if leader else [],
+                       [c.size for c in chunks], self.config.timeout)
             for shard, chunks in enumerate(self._by_shard) if chunks
         ))
         return self._assemble(replies)
@@ -272,33 +280,33 @@ class PSClient:
         return clock, payloads
 
     async def _push(self, clock: int, payloads: list[list[Payload]]) -> None:
-        calls = []
-        for shard, items in enumerate(payloads):
-            if not self._keys[shard]:
-                continue
-            keys = self._keys[shard]
-            self._last_push[shard] = (clock, keys, items)
-            calls.append(self._call(shard, "push", self.worker, clock, keys, items,
-                                    self.config.timeout))
-        await asyncio.gather(*calls)
+        await asyncio.gather(*(self._on_shard(shard, "push", clock, items)
+                               for shard, items in enumerate(payloads) if self._keys[shard]))
 
     async def _pull(self, clock: int) -> dict[str, Array]:
-        replies = await asyncio.gather(*(
-            self._call(shard, "pull", self.worker, clock, keys, self.config.timeout)
-            for shard, keys in enumerate(self._keys) if keys
-        ))
-        return self._assemble(replies)
+        return self._assemble(await asyncio.gather(*(
+            self._on_shard(shard, "pull", clock, []) for shard, keys in enumerate(self._keys)
+            if keys)))
 
     async def _push_pull(self, clock: int, payloads: list[list[Payload]]) -> dict[str, Array]:
-        calls = []
-        for shard, items in enumerate(payloads):
-            if not self._keys[shard]:
-                continue
-            keys = self._keys[shard]
-            self._last_push[shard] = (clock, keys, items)
-            calls.append(self._call(shard, "push_pull", self.worker, clock, keys, items,
-                                    self.config.timeout))
-        return self._assemble(await asyncio.gather(*calls))
+        return self._assemble(await asyncio.gather(*(
+            self._on_shard(shard, "push_pull", clock, items)
+            for shard, items in enumerate(payloads) if self._keys[shard])))
+
+    async def _on_shard(self, shard: int, method: str, clock: int, items: list[Payload]) -> Any:
+        keys, wait = self._keys[shard], self.config.timeout
+        if method == "pull":
+            args: tuple[Any, ...] = (self.worker, clock, keys, wait)
+        else:
+            # ``seen`` tells the shard which step this worker saw complete there:
+            # a shard restored from an older checkpoint catches up to it.
+            args = (self.worker, clock, keys, items, self._seen[shard], wait)
+            self._last_push[shard] = args
+        result = await self._call(shard, method, *args)
+        if method != "push":
+            read_at = clock if method == "pull" else clock + 1
+            self._seen[shard] = max(self._seen[shard], read_at)
+        return result
 
     async def _call(self, shard: int, method: str, *args: Any) -> Any:
         """Call a shard, retrying while it is unreachable (all methods are idempotent).
@@ -325,11 +333,9 @@ class PSClient:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
             last = self._last_push.get(shard)
-            if method in ("pull", "push_pull") and last is not None and last[0] < args[1]:
-                with_clock, keys, items = last
+            if method in ("pull", "push_pull") and last is not None and last[1] < args[1]:
                 try:
-                    await client.call(_SHARD + "push", self.worker, with_clock, keys, items,
-                                      self.config.timeout, timeout=timeout, idempotent=True)
+                    await client.call(_SHARD + "push", *last, timeout=timeout, idempotent=True)
                 except Unavailable:
                     continue
 

@@ -21,7 +21,7 @@ MiB = 1 << 20
 class Job:
     """What every worker and shard of one training job agree on.
 
-    The first worker to initialize a shard sets its job; a worker with a
+    The first worker to reach a shard sets its job; a worker with a
     different job is refused (``FailedPrecondition``).
 
     Attributes:

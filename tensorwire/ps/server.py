@@ -167,10 +167,12 @@ class Shard(rpc.Service):
 
     @rpc.method(idempotent=True)
     async def init(self, job: dict[str, Any], worker: int, keys: list[str],
-                   values: list[Array]) -> list[Array]:
-        """Set up the job (first worker wins) and the chunks that have no value yet.
+                   values: list[Array], sizes: list[int], wait: float) -> list[Array]:
+        """Set up the job (the first worker to arrive sets it) and the chunks.
 
-        Returns the chunks' values, which are the first initializer's.
+        Worker 0 sends ``values``, taken by chunks that have none yet; other
+        workers send none and wait up to ``wait`` seconds for worker 0.
+        Returns the chunks' values.
         """
         try:
             wanted = Job.from_wire(job)
@@ -185,28 +187,44 @@ class Shard(rpc.Service):
                 f"this shard serves another job: {self.store.job.to_wire()}, "
                 f"worker {worker} asked for {wanted.to_wire()}"
             )
-        self.store.clocks.ready(worker, 0)  # validates the worker number
-        self.store.init(keys, values)
-        return self.store.values(keys)
+        store = self.store
+        store.clocks.ready(worker, 0)  # validates the worker number
+        if len(sizes) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        if values:
+            store.init(keys, values)
+            await self._notify()
+        elif not all(key in store.entries for key in keys):
+            await self._wait_until(
+                lambda: all(key in store.entries for key in keys), wait,
+                lambda: f"worker {worker} waited {wait:g} s for worker 0 to init() the chunks")
+        current = store.values(keys)
+        for key, size, value in zip(keys, sizes, current, strict=True):
+            if value.size != size:
+                raise InvalidArgument(f"chunk {key!r} holds {value.size} elements, worker "
+                                      f"{worker} expects {size}: the workers disagree on the "
+                                      "model or the chunk size")
+        return current
 
     @rpc.method(idempotent=True)
     async def push(self, worker: int, clock: int, keys: list[str], payloads: list[Payload],
-                   wait: float) -> None:
+                   seen: int, wait: float) -> None:
         """Take ``worker``'s gradients for step ``clock`` (a retry is ignored).
 
-        In sync mode a push for a step beyond the one being collected waits
-        up to ``wait`` seconds for that step to complete.
+        ``seen`` is the clock of the worker's latest read from this shard. In
+        sync mode a push for a step beyond the one being collected waits up
+        to ``wait`` seconds for that step to complete.
         """
         store = self._store()
-        decision = store.admit(worker, clock)
+        decision = store.admit(worker, clock, seen)
         if decision is Decision.WAIT:
             await self._wait_until(
-                lambda: store.admit(worker, clock) is not Decision.WAIT, wait,
+                lambda: store.admit(worker, clock, seen) is not Decision.WAIT, wait,
                 lambda: (f"push of worker {worker} for step {clock}: step "
                          f"{store.clocks.step} is still waiting for workers "
                          f"{store.clocks.push_may_wait_for()}"),
             )
-            decision = store.admit(worker, clock)
+            decision = store.admit(worker, clock, seen)
         if decision is Decision.DUPLICATE:
             logger.debug("duplicate push of worker %d for step %d ignored", worker, clock)
             return
@@ -233,10 +251,10 @@ class Shard(rpc.Service):
 
     @rpc.method(idempotent=True)
     async def push_pull(self, worker: int, clock: int, keys: list[str],
-                        payloads: list[Payload], wait: float) -> list[Array]:
+                        payloads: list[Payload], seen: int, wait: float) -> list[Array]:
         """``push`` then ``pull`` at ``clock + 1``, in one round trip."""
         started = time.monotonic()
-        await self.push(worker, clock, keys, payloads, wait)
+        await self.push(worker, clock, keys, payloads, seen, wait)
         remaining = max(wait - (time.monotonic() - started), 1e-3)
         return await self.pull(worker, clock + 1, keys, remaining)
 

@@ -38,6 +38,20 @@ def test_sync_skips_ahead_when_a_restored_shard_lost_steps() -> None:
     assert clocks.ready(0, 7) and not clocks.ready(0, 8)
 
 
+def test_sync_catches_up_to_a_step_a_worker_saw_complete() -> None:
+    # Restored at step 3; worker 0 re-sent its push for step 5, which this
+    # shard had completed before it died, and worker 1 already read step 6.
+    shard = store()
+    shard.clocks.restore({"clocks": [3, 3], "step": 3})
+    assert push(shard, 0, 5, 1.0, 1.0)
+    assert shard.clocks.step == 5
+    assert shard.admit(1, 6, seen=6) is Decision.APPLY
+    assert shard.clocks.step == 6 and shard.clocks.lost_steps == 3
+    # Worker 0's contribution to the lost step 5 was dropped, not applied.
+    assert all(entry.acc is None for entry in shard.entries.values())
+    assert shard.clocks.ready(0, 6)
+
+
 def test_ssp_lets_a_worker_run_staleness_steps_ahead() -> None:
     clocks = Clocks("ssp", 2, staleness=2)
     for t in range(3):

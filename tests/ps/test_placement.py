@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -58,7 +59,7 @@ def test_chunks_cover_each_tensor_exactly_within_the_size_limit() -> None:
         mine = [c for c in chunks if c.name == spec.name]
         assert [c.index for c in mine] == list(range(len(mine)))
         assert mine[0].start == 0 and mine[-1].stop == spec.size
-        assert all(a.stop == b.start for a, b in zip(mine, mine[1:], strict=False))
+        assert all(a.stop == b.start for a, b in itertools.pairwise(mine))
         assert all(c.nbytes <= 100_000 for c in mine)
     big = [c for c in chunks if c.name == "big"]
     assert len(big) == math.ceil(1000 * 1001 * 4 / 100_000)
