@@ -19,12 +19,19 @@ from typing import Any
 import numpy as np
 
 from .. import rpc
-from ..errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
+from ..errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+)
 from ._compress import Compressor, ErrorFeedback, Payload, compressor_for
 from ._consistency import Mode
 from ._optim import Optimizer
 from ._placement import Chunk, Placement, TensorSpec, chunk_tensors, place
 from .config import Job, PSConfig
+from .server import LATE
 
 __all__ = ("PSClient", "connect")
 
@@ -322,13 +329,17 @@ class PSClient:
         pause = 0.05
         while True:
             try:
-                return await client.call(_SHARD + method, *args, timeout=timeout,
-                                         idempotent=True)
+                result = await client.call(_SHARD + method, *args, timeout=timeout,
+                                           idempotent=True)
             except Unavailable as exc:
                 if loop.time() + pause > give_up:
                     raise
                 logger.warning("shard %d (%s) unavailable (%s); retrying", shard,
                                client.address, exc)
+            else:
+                if isinstance(result, dict) and LATE in result:
+                    raise DeadlineExceeded(f"shard {shard}: {result[LATE]}")
+                return result
             # A backoff between reconnection attempts, not a wait for an event.
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)

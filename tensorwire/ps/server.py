@@ -12,24 +12,46 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .. import rpc
-from ..errors import ConfigError, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from ..errors import ConfigError, FailedPrecondition, InvalidArgument
 from . import _checkpoint
 from ._compress import Payload
 from ._consistency import Decision
 from ._store import ShardStore
 from .config import Job, ShardConfig
 
-__all__ = ("Shard", "ShardServer", "serve")
+__all__ = ("LATE", "Shard", "ShardServer", "serve")
 
 logger = logging.getLogger(__name__)
 
 Array = np.ndarray[Any, Any]
+T = TypeVar("T")
+
+#: The key of the result a shard returns when a wait for other workers ran
+#: out: ``{LATE: "message naming the workers behind"}``. A result, not a
+#: raised DeadlineExceeded, because the RPC client replaces the message of a
+#: remote DeadlineExceeded with its own; the worker raises DeadlineExceeded.
+LATE = "deadline_exceeded"
+
+
+Late = dict[str, str]
+
+
+class _Late(Exception):
+    """A wait for other workers ran out (see :data:`LATE`)."""
+
+
+async def _answer(work: Awaitable[T]) -> T | Late:
+    try:
+        return await work
+    except _Late as late:
+        return {LATE: str(late)}
 
 
 class Shard(rpc.Service):
@@ -37,7 +59,8 @@ class Shard(rpc.Service):
 
     Workers call it through :func:`tensorwire.ps.connect`; the methods are
     the wire protocol between the two. Every method is idempotent: a retry
-    after a reconnect is safe.
+    after a reconnect is safe. A method whose wait for other workers runs
+    out returns ``{LATE: message}`` instead of its result.
     """
 
     service_name = "tensorwire.ps.Shard"
@@ -156,7 +179,7 @@ class Shard(rpc.Service):
             async with asyncio.timeout(timeout), changed:
                 await changed.wait_for(ready)
         except TimeoutError:
-            raise DeadlineExceeded(describe()) from None
+            raise _Late(describe()) from None
 
     async def _notify(self) -> None:
         changed = self._condition()
@@ -167,13 +190,17 @@ class Shard(rpc.Service):
 
     @rpc.method(idempotent=True)
     async def init(self, job: dict[str, Any], worker: int, keys: list[str],
-                   values: list[Array], sizes: list[int], wait: float) -> list[Array]:
+                   values: list[Array], sizes: list[int], wait: float) -> list[Array] | Late:
         """Set up the job (the first worker to arrive sets it) and the chunks.
 
         Worker 0 sends ``values``, taken by chunks that have none yet; other
         workers send none and wait up to ``wait`` seconds for worker 0.
         Returns the chunks' values.
         """
+        return await _answer(self._init(job, worker, keys, values, sizes, wait))
+
+    async def _init(self, job: dict[str, Any], worker: int, keys: list[str],
+                    values: list[Array], sizes: list[int], wait: float) -> list[Array]:
         try:
             wanted = Job.from_wire(job)
         except ConfigError as exc:
@@ -208,13 +235,17 @@ class Shard(rpc.Service):
 
     @rpc.method(idempotent=True)
     async def push(self, worker: int, clock: int, keys: list[str], payloads: list[Payload],
-                   seen: int, wait: float) -> None:
+                   seen: int, wait: float) -> Late | None:
         """Take ``worker``'s gradients for step ``clock`` (a retry is ignored).
 
         ``seen`` is the clock of the worker's latest read from this shard. In
         sync mode a push for a step beyond the one being collected waits up
         to ``wait`` seconds for that step to complete.
         """
+        return await _answer(self._push(worker, clock, keys, payloads, seen, wait))
+
+    async def _push(self, worker: int, clock: int, keys: list[str], payloads: list[Payload],
+                    seen: int, wait: float) -> None:
         store = self._store()
         decision = store.admit(worker, clock, seen)
         if decision is Decision.WAIT:
@@ -233,12 +264,16 @@ class Shard(rpc.Service):
         await self._notify()
 
     @rpc.method(idempotent=True)
-    async def pull(self, worker: int, clock: int, keys: list[str], wait: float) -> list[Array]:
+    async def pull(self, worker: int, clock: int, keys: list[str],
+                   wait: float) -> list[Array] | Late:
         """The chunks' values once ``worker`` at ``clock`` may read them.
 
-        Waits up to ``wait`` seconds; the DeadlineExceeded then names the
-        workers that are behind.
+        Waits up to ``wait`` seconds; the answer then names the workers that
+        are behind.
         """
+        return await _answer(self._pull(worker, clock, keys, wait))
+
+    async def _pull(self, worker: int, clock: int, keys: list[str], wait: float) -> list[Array]:
         store = self._store()
         if not store.clocks.ready(worker, clock):
             await self._wait_until(
@@ -251,12 +286,17 @@ class Shard(rpc.Service):
 
     @rpc.method(idempotent=True)
     async def push_pull(self, worker: int, clock: int, keys: list[str],
-                        payloads: list[Payload], seen: int, wait: float) -> list[Array]:
+                        payloads: list[Payload], seen: int,
+                        wait: float) -> list[Array] | Late:
         """``push`` then ``pull`` at ``clock + 1``, in one round trip."""
+        return await _answer(self._push_pull(worker, clock, keys, payloads, seen, wait))
+
+    async def _push_pull(self, worker: int, clock: int, keys: list[str],
+                         payloads: list[Payload], seen: int, wait: float) -> list[Array]:
         started = time.monotonic()
-        await self.push(worker, clock, keys, payloads, seen, wait)
+        await self._push(worker, clock, keys, payloads, seen, wait)
         remaining = max(wait - (time.monotonic() - started), 1e-3)
-        return await self.pull(worker, clock + 1, keys, remaining)
+        return await self._pull(worker, clock + 1, keys, remaining)
 
     @rpc.method(idempotent=True)
     async def checkpoint(self) -> str:

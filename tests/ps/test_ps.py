@@ -1,0 +1,302 @@
+"""The parameter server in one process over tcp:// and inproc://: API behaviour,
+deadlines that name the workers behind, idempotent retries, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorwire as tw
+from tensorwire import ps
+from tensorwire.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+)
+
+URLS = ["tcp://127.0.0.1:0", "inproc://ps-test*"]
+PUSH = "tensorwire.ps.Shard.push"
+
+
+@contextlib.asynccontextmanager
+async def shards(count: int = 2, url: str = "tcp://127.0.0.1:0",
+                 **options: Any) -> AsyncIterator[list[ps.ShardServer]]:
+    started = []
+    try:
+        for i in range(count):
+            where = url.replace("*", str(i))
+            config = ps.ShardConfig(**{k: (v / str(i) if isinstance(v, Path) else v)
+                                       for k, v in options.items()})
+            started.append(await ps.serve(where, config=config))
+        yield started
+    finally:
+        for shard in started:
+            await shard.close(checkpoint=False)
+
+
+async def workers(servers: list[ps.ShardServer], n: int, **options: Any) -> list[ps.PSClient]:
+    options.setdefault("optimizer", ps.SGD(lr=0.5))
+    config = options.pop("config", ps.PSConfig(chunk_bytes=256))
+    addresses = [s.addresses[0] for s in servers]
+    return [await ps.connect(addresses, worker=w, num_workers=n, config=config, **options)
+            for w in range(n)]
+
+
+def model() -> dict[str, np.ndarray]:
+    return {"w": np.arange(200, dtype=np.float32).reshape(20, 10), "b": np.ones(5, np.float32)}
+
+
+def ones(scale: float) -> dict[str, np.ndarray]:
+    return {name: np.full_like(value, scale) for name, value in model().items()}
+
+
+@pytest.mark.parametrize("url", URLS)
+async def test_sync_push_then_pull_without_waiting_reads_after_the_push(url: str) -> None:
+    async with shards(url=url) as servers:
+        clients = await workers(servers, 2)
+        await asyncio.gather(*(c.init(model()) for c in clients))
+        # push() takes its clock when called, so this pull reads after it.
+        pushes = [c.push(ones(float(i + 1))) for i, c in enumerate(clients)]
+        pulled = await asyncio.gather(*(c.pull() for c in clients))
+        await asyncio.gather(*pushes)
+        for params in pulled:
+            np.testing.assert_array_equal(params["w"], model()["w"] - 0.5 * 1.5)
+            np.testing.assert_array_equal(params["b"], 1 - 0.5 * 1.5)
+        assert clients[0].clock == 1
+        for c in clients:
+            await c.close()
+
+
+async def test_a_pull_deadline_names_the_workers_behind() -> None:
+    async with shards() as servers:
+        clients = await workers(servers, 3, config=ps.PSConfig(chunk_bytes=256, timeout=0.3))
+        await asyncio.gather(*(c.init(model()) for c in clients))
+        await asyncio.gather(clients[0].push(ones(1)), clients[2].push(ones(1)))
+        with pytest.raises(DeadlineExceeded, match=r"workers \[1\]"):
+            await clients[0].pull()
+        for c in clients:
+            await c.close()
+
+
+async def test_ssp_deadline_names_the_slow_worker() -> None:
+    async with shards(1) as servers:
+        clients = await workers(servers, 2, consistency="ssp", staleness=1,
+                                config=ps.PSConfig(timeout=0.3))
+        await asyncio.gather(*(c.init(model()) for c in clients))
+        await clients[0].push_pull(ones(1))       # clock 1: 1 ahead, allowed
+        with pytest.raises(DeadlineExceeded, match=r"workers \[1\]"):
+            await clients[0].push_pull(ones(1))   # clock 2: 2 ahead of worker 1
+        for c in clients:
+            await c.close()
+
+
+async def test_a_retried_push_is_applied_once() -> None:
+    async with shards(1) as servers:
+        (client,) = await workers(servers, 1, consistency="async")
+        await client.init({"w": np.zeros(4, np.float32)})
+        async with tw.connect(servers[0].addresses[0]) as raw:
+            payload = {"codec": "none", "data": np.ones(4, np.float32)}
+            for _ in range(3):  # the original and two retries of (worker 0, clock 0, w#0)
+                await raw.call(PUSH, 0, 0, ["w#0"], [payload], 0, 5.0)
+            await raw.call(PUSH, 0, 1, ["w#0"], [payload], 0, 5.0)
+        client.clock = 2
+        np.testing.assert_array_equal((await client.pull())["w"], -1.0)
+        (status,) = await client.status()
+        assert status["updates"] == 2 and status["clocks"] == [2]
+        await client.close()
+
+
+async def test_a_sync_push_retried_after_its_step_completed_is_ignored() -> None:
+    async with shards(1) as servers:
+        clients = await workers(servers, 2)
+        await asyncio.gather(*(c.init({"w": np.zeros(3, np.float32)}) for c in clients))
+        await asyncio.gather(*(c.push_pull({"w": np.ones(3, np.float32)}) for c in clients))
+        async with tw.connect(servers[0].addresses[0]) as raw:
+            again = {"codec": "none", "data": np.full(3, 100, np.float32)}
+            await raw.call(PUSH, 1, 0, ["w#0"], [again], 1, 5.0)
+        (status,) = await clients[0].status()
+        assert status["step"] == 1 and status["updates"] == 2
+        for c in clients:
+            await c.close()
+
+
+async def test_worker_zero_values_win_and_late_workers_wait_for_them() -> None:
+    async with shards() as servers:
+        clients = await workers(servers, 2)
+        late = asyncio.ensure_future(clients[1].init({k: v * 7 for k, v in model().items()}))
+        first = await clients[0].init(model())
+        second = await late
+        for name, value in model().items():
+            np.testing.assert_array_equal(first[name], value)
+            np.testing.assert_array_equal(second[name], value)
+        for c in clients:
+            await c.close()
+
+
+async def test_another_job_or_model_is_refused() -> None:
+    async with shards(1) as servers:
+        (client,) = await workers(servers, 1)
+        await client.init(model())
+        (other,) = await workers(servers, 1, optimizer=ps.Adam())
+        with pytest.raises(FailedPrecondition, match="another job"):
+            await other.init(model())
+        (bigger,) = await workers(servers, 1)
+        with pytest.raises(InvalidArgument):
+            await bigger.init({"w": np.zeros((20, 11), np.float32), "b": np.ones(5, np.float32)})
+        for c in (client, other, bigger):
+            await c.close()
+
+
+async def test_bad_arguments_fail_before_anything_is_sent() -> None:
+    async with shards(1) as servers:
+        (client,) = await workers(servers, 1)
+        with pytest.raises(FailedPrecondition):
+            client.pull()
+        with pytest.raises(InvalidArgument):
+            await client.init({"n": np.arange(3)})
+        await client.init(model())
+        with pytest.raises(InvalidArgument, match="shape"):
+            client.push({"w": np.zeros(3, np.float32), "b": np.ones(5, np.float32)})
+        with pytest.raises(InvalidArgument, match="missing"):
+            client.push({"w": np.zeros((20, 10), np.float32)})
+        assert client.clock == 0
+        await client.close()
+    with pytest.raises(ConfigError):
+        await ps.connect(["tcp://127.0.0.1:1"], worker=3, num_workers=2,
+                         optimizer=ps.SGD(lr=1))
+    with pytest.raises(ConfigError):
+        await ps.connect(["tcp://127.0.0.1:1"], worker=0, num_workers=2,
+                         optimizer=ps.Aggregate(), consistency="async")
+
+
+async def test_aggregate_returns_the_summed_gradient_each_step() -> None:
+    async with shards() as servers:
+        clients = await workers(servers, 3, optimizer=ps.Aggregate())
+        await asyncio.gather(*(c.init(model()) for c in clients))
+        for step in range(2):
+            got = await asyncio.gather(*(c.push_pull(ones(float(i + step)))
+                                         for i, c in enumerate(clients)))
+            for params in got:
+                np.testing.assert_array_equal(params["w"], 3.0 + 3 * step)
+        for c in clients:
+            await c.close()
+
+
+@pytest.mark.parametrize("compression", ["bf16", "topk"])
+async def test_compressed_pushes_arrive(compression: str) -> None:
+    async with shards() as servers:
+        (client,) = await workers(servers, 1, compression=compression,
+                                  optimizer=ps.SGD(lr=1.0))
+        await client.init({"w": np.zeros(1000, np.float32)})
+        grad = np.zeros(1000, np.float32)
+        grad[::100] = 2.0
+        params = await client.push_pull({"w": grad})
+        np.testing.assert_array_equal(params["w"], -grad)
+        await client.close()
+
+
+async def test_checkpoint_on_request_and_restore_on_restart(tmp_path: Path) -> None:
+    async with shards(2, checkpoint_dir=tmp_path) as servers:
+        addresses = [s.addresses[0] for s in servers]
+        (client,) = await workers(servers, 1, optimizer=ps.Adam(lr=0.1))
+        await client.init(model())
+        await client.push_pull(ones(1.0))
+        paths = await client.checkpoint()
+        assert [Path(p).parent for p in paths] == [tmp_path / "0", tmp_path / "1"]
+        expected = await client.push_pull(ones(-2.0))
+        await client.checkpoint()
+        await client.close()
+    restarted = [await ps.serve(a, checkpoint_dir=tmp_path / str(i))
+                 for i, a in enumerate(addresses)]
+    try:
+        config = ps.PSConfig(chunk_bytes=256)
+        client = await ps.connect(addresses, worker=0, num_workers=1, config=config,
+                                  optimizer=ps.Adam(lr=0.1))
+        params = await client.init({k: v * 0 for k, v in model().items()})
+        client.clock = 2
+        for name, value in expected.items():
+            np.testing.assert_array_equal(params[name], value)
+        # Adam's moments came back too: one more step matches a run without restart.
+        opt = ps.Adam(lr=0.1)
+        reference = {}
+        for name, value in model().items():
+            state = opt.init_state(value)
+            for step, g in enumerate((1.0, -2.0, 0.5), 1):
+                value, state = opt.step(value, np.full_like(value, g), state, step)
+            reference[name] = value
+        after = await client.push_pull(ones(0.5))
+        for name, value in reference.items():
+            np.testing.assert_allclose(after[name], value, rtol=1e-6)
+        assert all(s["restored_from"] for s in await client.status())
+        await client.close()
+    finally:
+        for server in restarted:
+            await server.close(checkpoint=False)
+
+
+async def test_periodic_checkpoints_by_update_count(tmp_path: Path) -> None:
+    async with shards(1, checkpoint_dir=tmp_path, checkpoint_every=2) as servers:
+        (client,) = await workers(servers, 1)
+        await client.init(model())
+        for _ in range(4):
+            await client.push_pull(ones(1.0))
+        await client.status()
+        await servers[0].shard.stop()  # lets a checkpoint being written finish
+        assert list((tmp_path / "0").glob("ckpt-*.npz"))
+        await client.close()
+
+
+async def test_checkpoint_without_a_directory_is_refused() -> None:
+    async with shards(1) as servers:
+        (client,) = await workers(servers, 1)
+        await client.init(model())
+        with pytest.raises(FailedPrecondition):
+            await client.checkpoint()
+        await client.close()
+
+
+def test_sync_client_from_plain_threads() -> None:
+    async def start() -> list[ps.ShardServer]:
+        return [await ps.serve("tcp://127.0.0.1:0") for _ in range(2)]
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    servers = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    addresses = [s.addresses[0] for s in servers]
+    results: dict[int, Any] = {}
+
+    def worker(rank: int) -> None:
+        with ps.SyncClient(addresses, worker=rank, num_workers=2, optimizer=ps.SGD(lr=1.0),
+                           config=ps.PSConfig(chunk_bytes=256)) as client:
+            client.init(model())
+            future = client.submit_push(ones(1.0))
+            params = client.pull()  # ordered after the push
+            future.result(30)
+            results[rank] = (params, client.push_pull(ones(2.0)), client.imbalance)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(results) == [0, 1]
+        for params, after, imbalance in results.values():
+            np.testing.assert_array_equal(params["b"], 0.0)
+            np.testing.assert_array_equal(after["b"], -2.0)
+            assert imbalance < 1.5
+    finally:
+        for server in servers:
+            asyncio.run_coroutine_threadsafe(server.close(checkpoint=False), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
