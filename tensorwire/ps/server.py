@@ -104,13 +104,13 @@ class Shard(rpc.Service):
 
     async def stop(self) -> None:
         """Stop the periodic task and let a checkpoint being written finish."""
-        tasks = [t for t in (self._periodic, *self._background) if t is not None]
-        self._periodic = None
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
+        periodic, self._periodic = self._periodic, None
+        if periodic is not None:
+            periodic.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await periodic
+        if self._background:
+            await asyncio.wait(list(self._background))
 
     async def _every(self, interval: float) -> None:
         while True:
