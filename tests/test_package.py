@@ -16,6 +16,7 @@ PACKAGES = [
     "tensorwire.serde",
     "tensorwire.transports",
     "tensorwire.rpc",
+    "tensorwire.ps",
     "tensorwire.testing",
 ]
 
