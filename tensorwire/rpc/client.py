@@ -24,8 +24,9 @@ from ..errors import (
 from ..transports import connect as transport_connect
 from . import protocol
 from ._channel import Channel
-from ._metrics import Metrics
+from ._metrics import MethodMetrics, Metrics
 from ._proxy import Proxy
+from ._slots import Slots
 from .config import ClientConfig
 
 __all__ = ("Client", "connect")
@@ -55,12 +56,12 @@ def _fields(config: ClientConfig) -> dict[str, Any]:
 class _Pending:
     """A call in flight: its future, or for streams a queue of messages."""
 
-    __slots__ = ("credit", "credit_event", "expired", "future", "items", "sending", "waiter")
+    __slots__ = ("credit", "credit_event", "future", "items", "metrics", "waiter")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, streaming: bool) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, streaming: bool,
+                 metrics: MethodMetrics) -> None:
         self.future: asyncio.Future[protocol.Message] = loop.create_future()
-        self.sending = False
-        self.expired = False
+        self.metrics = metrics
         self.items: deque[protocol.Message] | None = deque() if streaming else None
         self.waiter: asyncio.Future[None] | None = None
         self.credit = 0
@@ -87,12 +88,9 @@ class _Pending:
         if self.credit_event is not None:
             self.credit_event.set()
 
-    def expire(self, task: asyncio.Task[Any]) -> None:
-        """The deadline passed: end the wait, or the send stuck before it."""
-        self.expired = True
-        if self.sending:
-            task.cancel()
-        elif not self.future.done():
+    def expire(self) -> None:
+        """The deadline passed: end the wait."""
+        if not self.future.done():
             self.future.set_exception(TimeoutError())
 
 
@@ -104,8 +102,8 @@ class _Session:
         self.pending: dict[int, _Pending] = {}
         self.ids = itertools.count(1)
         self.channel: Channel | None = None
-        self.slots = asyncio.Semaphore(1)
         self.loop = asyncio.get_running_loop()
+        self.slots = Slots(1, self.loop)
         self.error: TensorwireError | None = None
 
     async def open(self) -> None:
@@ -125,7 +123,7 @@ class _Session:
         except BaseException:
             conn.abort()
             raise
-        self.slots = asyncio.Semaphore(shake.max_concurrent or 1)
+        self.slots = Slots(shake.max_concurrent or 1, self.loop)
         self.channel = Channel(
             conn,
             self._on_message,
@@ -153,7 +151,7 @@ class _Session:
         if isinstance(message, protocol.Credit):
             pending.grant(message.count)
             return
-        self.client._metrics_for(message.call_id, nbytes)
+        pending.metrics.bytes_in += nbytes
         pending.deliver(message)
 
     def _on_close(self, error: TensorwireError) -> None:
@@ -184,7 +182,6 @@ class Client:
         self._failures = 0
         self._next_attempt = 0.0
         self._metrics = Metrics()
-        self._call_names: dict[int, str] = {}
         self._closed = False
 
     # -- lifetime ------------------------------------------------------------
@@ -318,13 +315,11 @@ class Client:
         error = True
         try:
             slots = session.slots
-            if slots.locked():
+            if not slots.try_acquire():
                 # Only a client with more calls than the server allows in
                 # flight waits here, and the deadline bounds the wait.
                 async with asyncio.timeout_at(deadline):
                     await slots.acquire()
-            else:
-                await slots.acquire()
             try:
                 message = await self._exchange(session, method, payload, stream_arg, source,
                                                deadline, metrics)
@@ -346,41 +341,36 @@ class Client:
         stream_arg: int,
         source: AsyncIterable[Any] | None,
         deadline: float,
-        metrics: Any,
+        metrics: MethodMetrics,
     ) -> protocol.Message:
         """Send the request and wait for its answer, at most until ``deadline``.
 
-        A timer on the loop, not ``asyncio.timeout``: this runs for every
-        call, and the timer costs a fraction of the context manager.
+        The request is queued without waiting: the answer cannot come before
+        it has gone. A call that ends early (deadline, cancel) may leave its
+        request still going out, so its arguments must stay unchanged until
+        then, as with any send cut short. A timer on the loop, not
+        ``asyncio.timeout``: this runs for every call, and the timer costs a
+        fraction of the context manager.
         """
         loop = session.loop
-        call_id, pending = self._register(session, method, streaming=False)
-        task = asyncio.current_task(loop)
-        assert task is not None
-        timer = loop.call_at(deadline, pending.expire, task)
+        call_id, pending = self._register(session, metrics, streaming=False)
+        timer = loop.call_at(deadline, pending.expire)
         pump: asyncio.Task[None] | None = None
         try:
             remaining = max(deadline - loop.time(), 0.0)
-            pending.sending = True
-            metrics.bytes_out += await _channel(session).send(
+            metrics.bytes_out += _channel(session).post(
                 protocol.Request(call_id, method, remaining, stream_arg, payload)
             )
-            pending.sending = False
             if source is not None:
                 pending.credit_event = asyncio.Event()
                 pump = loop.create_task(self._pump(session, call_id, pending, source))
             return await pending.future
-        except asyncio.CancelledError:
-            self._cancel_remote(session, call_id)
-            if pending.expired and task.uncancel() == 0:
-                raise TimeoutError from None
-            raise
         except BaseException:
             self._cancel_remote(session, call_id)
             raise
         finally:
             timer.cancel()
-            self._unregister(session, call_id)
+            session.pending.pop(call_id, None)
             if pump is not None:
                 await _stop(pump)
 
@@ -412,7 +402,7 @@ class Client:
             async with asyncio.timeout_at(deadline):
                 await session.slots.acquire()
             try:
-                call_id, pending = self._register(session, method, streaming=True)
+                call_id, pending = self._register(session, metrics, streaming=True)
                 pump: asyncio.Task[None] | None = None
                 try:
                     channel = _channel(session)
@@ -450,7 +440,7 @@ class Client:
                 finally:
                     if not finished:
                         self._cancel_remote(session, call_id)
-                    self._unregister(session, call_id)
+                    session.pending.pop(call_id, None)
                     await _stop(pump)
             finally:
                 session.slots.release()
@@ -480,28 +470,19 @@ class Client:
             # The caller's iterable failed: end the call with that error.
             pending.fail(exc)
 
-    def _register(self, session: _Session, method: str, *, streaming: bool) -> tuple[int, _Pending]:
+    def _register(self, session: _Session, metrics: MethodMetrics, *,
+                  streaming: bool) -> tuple[int, _Pending]:
         if session.error is not None:
             raise Unavailable(f"connection to {self.address} lost: {session.error}")
         call_id = next(session.ids)
-        pending = _Pending(session.loop, streaming)
+        pending = _Pending(session.loop, streaming, metrics)
         session.pending[call_id] = pending
-        self._call_names[call_id] = method
         return call_id, pending
-
-    def _unregister(self, session: _Session, call_id: int) -> None:
-        session.pending.pop(call_id, None)
-        self._call_names.pop(call_id, None)
 
     def _cancel_remote(self, session: _Session, call_id: int) -> None:
         channel = session.channel
         if channel is not None and call_id in session.pending:
             channel.send_soon(protocol.Cancel(call_id))
-
-    def _metrics_for(self, call_id: int, nbytes: int) -> None:
-        name = self._call_names.get(call_id)
-        if name is not None:
-            self._metrics[name].bytes_in += nbytes
 
     # -- proxies and introspection ----------------------------------------------
 
@@ -544,9 +525,14 @@ def _split_stream(
     return args[:index] + args[index + 1 :], args[index], index
 
 
+#: Argument types that are never async iterables, checked first: the ABC's
+#: isinstance() costs several times a set lookup, for every argument.
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None), list, tuple, dict})
+
+
 def _aiter_index(args: tuple[Any, ...]) -> int:
     for index, arg in enumerate(args):
-        if isinstance(arg, collections.abc.AsyncIterable):
+        if type(arg) not in _PLAIN and isinstance(arg, collections.abc.AsyncIterable):
             return index
     return -1
 

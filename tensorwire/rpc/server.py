@@ -31,6 +31,7 @@ from ..transports import Connection, Listener, listen
 from . import protocol
 from ._channel import Channel
 from ._metrics import MethodMetrics, Metrics
+from ._slots import Slots
 from .config import ServerConfig
 from .service import (
     MethodInfo,
@@ -93,7 +94,7 @@ class Server:
             self._add(service)
         self._listeners: list[Listener] = []
         self._sessions: set[_Session] = set()
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: Slots | None = None
         self._closing = False
         self._closed: asyncio.Event | None = None
 
@@ -122,7 +123,7 @@ class Server:
         cannot be bound (the others stay open).
         """
         if self._slots is None:
-            self._slots = asyncio.Semaphore(self.config.max_concurrent)
+            self._slots = Slots(self.config.max_concurrent, asyncio.get_running_loop())
             self._closed = asyncio.Event()
         started = []
         for url in urls:
@@ -430,16 +431,6 @@ class _Call:
             self.metrics.bytes_out += sent
 
     async def _run(self) -> None:
-        reply = await self._reply()
-        # The call's slot is free, and its metrics complete, before the
-        # client has its answer and may send the next call.
-        self.forget()
-        if reply is not None:
-            with contextlib.suppress(Unavailable):
-                await self._send(reply)
-
-    async def _reply(self) -> protocol.Message | None:
-        """Run the handler; the unary reply or error to send, if any."""
         server = self.session.server
         request = self.request
         started = time.perf_counter()
@@ -449,8 +440,11 @@ class _Call:
             handler = server._handler(request.method)
             self.metrics = handler.metrics
             self.count_in(self.request_bytes)
-            assert server._slots is not None
-            async with server._slots:
+            slots = server._slots
+            assert slots is not None
+            if not slots.try_acquire():
+                await slots.acquire()
+            try:
                 args, kwargs = self._arguments(handler)
                 # A timer on the loop rather than asyncio.timeout(): this runs
                 # for every call, and the timer is a fraction of the cost.
@@ -473,6 +467,8 @@ class _Call:
                 finally:
                     if timer is not None:
                         timer.cancel()
+            finally:
+                slots.release()
             failed = False
         except asyncio.CancelledError:
             # Never swallowed; a cancel from the client needs no reply.
@@ -484,7 +480,15 @@ class _Call:
         finally:
             if self.metrics is not None:
                 self.metrics.observe(time.perf_counter() - started, error=failed)
-        return reply
+        # The call's slot is free, and its metrics complete, before the
+        # client has its answer and may send the next call.
+        self.forget()
+        if reply is not None:
+            # Queued without waiting: the reply holds its own frames.
+            with contextlib.suppress(Unavailable):
+                sent = self.session.channel.post(reply)
+                if self.metrics is not None:
+                    self.metrics.bytes_out += sent
 
     def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
         value = _decode(self.request.value, f"the arguments of {handler.name}")
