@@ -22,6 +22,9 @@ __all__ = ("SyncClient",)
 S = TypeVar("S")
 T = TypeVar("T")
 
+#: How long close() waits for calls submitted before it to end.
+_CLOSE_WAIT = 10.0
+
 
 class SyncClient:
     """Blocking calls from any thread; one background event-loop thread.
@@ -47,13 +50,19 @@ class SyncClient:
         # Held while scheduling and while closing: a submit() from another
         # thread either gets in before close() or is refused, never lost.
         self._lock = threading.Lock()
+        # Scheduled and not yet finished: close() lets them finish (they fail
+        # fast once the client is closed) before it stops the loop.
+        self._running: set[concurrent.futures.Future[Any]] = set()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         with self._lock:
             if self._closed:
                 coro.close()
                 raise RuntimeError("the SyncClient is closed")
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._running.add(future)
+        future.add_done_callback(self._running.discard)
+        return future
 
     @staticmethod
     def _wait(future: concurrent.futures.Future[T]) -> T:
@@ -114,6 +123,9 @@ class SyncClient:
             closing = asyncio.run_coroutine_threadsafe(self._client.close(), self._loop)
             self._closed = True
         closing.result()
+        _, unfinished = concurrent.futures.wait(list(self._running), timeout=_CLOSE_WAIT)
+        for future in unfinished:
+            future.cancel()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
