@@ -36,6 +36,13 @@ def _check(owner: object, name: str, value: float, *, low: float = 0.0,
         raise ConfigError(f"{type(owner).__name__}.{name} is out of range: {value!r}")
 
 
+def _scaled(grad: Array, scale: float, dtype: np.dtype[Any]) -> Array:
+    """``scale * grad`` in ``dtype``; ``grad`` itself (not a copy) when scale is 1."""
+    if scale == 1.0:
+        return grad.astype(dtype, copy=False)
+    return np.multiply(grad, scale, dtype=dtype)
+
+
 class Optimizer(abc.ABC):
     """An update rule a shard applies to each chunk it holds.
 
@@ -52,10 +59,13 @@ class Optimizer(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def step(self, param: Array, grad: Array, state: State, step: int) -> tuple[Array, State]:
-        """The new parameters and state after one update with ``grad``.
+    def step(self, param: Array, grad: Array, state: State, step: int, *,
+             scale: float = 1.0) -> tuple[Array, State]:
+        """The new parameters and state after one update with ``scale * grad``.
 
-        ``step`` counts updates from 1. Never writes into its arguments.
+        ``step`` counts updates from 1. ``scale`` folds the shard's averaging
+        into the update instead of a pass of its own. Never writes into its
+        arguments.
         """
 
     def to_wire(self) -> dict[str, Any]:
@@ -87,11 +97,19 @@ class SGD(Optimizer):
         if self.nesterov and self.momentum == 0:
             raise ConfigError("SGD: Nesterov momentum needs momentum > 0")
 
-    def step(self, param: Array, grad: Array, state: State, step: int) -> tuple[Array, State]:
-        g = grad + self.weight_decay * param if self.weight_decay else grad
+    def step(self, param: Array, grad: Array, state: State, step: int, *,
+             scale: float = 1.0) -> tuple[Array, State]:
+        if not self.momentum and not self.weight_decay:
+            # The common case in two passes: p - lr * scale * grad.
+            new = np.multiply(grad, -self.lr * scale, dtype=param.dtype)
+            new += param
+            return new, state
+        g = _scaled(grad, scale, param.dtype)
+        if self.weight_decay:
+            g = g + self.weight_decay * param
         if self.momentum:
             buf = g.copy() if "momentum" not in state else self.momentum * state["momentum"] + g
-            state = {"momentum": buf}
+            state = {"momentum": buf.astype(param.dtype, copy=False)}
             g = g + self.momentum * buf if self.nesterov else buf
         return (param - self.lr * g).astype(param.dtype, copy=False), state
 
@@ -121,8 +139,11 @@ class Adam(Optimizer):
     def init_state(self, param: Array) -> State:
         return {"m": np.zeros_like(param), "v": np.zeros_like(param)}
 
-    def step(self, param: Array, grad: Array, state: State, step: int) -> tuple[Array, State]:
-        g = grad + self.weight_decay * param if self.weight_decay else grad
+    def step(self, param: Array, grad: Array, state: State, step: int, *,
+             scale: float = 1.0) -> tuple[Array, State]:
+        g = _scaled(grad, scale, param.dtype)
+        if self.weight_decay:
+            g = g + self.weight_decay * param
         m = self.beta1 * state["m"] + (1 - self.beta1) * g
         v = self.beta2 * state["v"] + (1 - self.beta2) * (g * g)
         m_hat = m / (1 - self.beta1**step)
@@ -155,8 +176,11 @@ class Adagrad(Optimizer):
     def init_state(self, param: Array) -> State:
         return {"sum": np.full_like(param, self.initial_accumulator)}
 
-    def step(self, param: Array, grad: Array, state: State, step: int) -> tuple[Array, State]:
-        g = grad + self.weight_decay * param if self.weight_decay else grad
+    def step(self, param: Array, grad: Array, state: State, step: int, *,
+             scale: float = 1.0) -> tuple[Array, State]:
+        g = _scaled(grad, scale, param.dtype)
+        if self.weight_decay:
+            g = g + self.weight_decay * param
         total = state["sum"] + g * g
         new = param - self.lr * g / (np.sqrt(total) + self.eps)
         return new.astype(param.dtype, copy=False), {"sum": total.astype(param.dtype, copy=False)}
@@ -170,8 +194,9 @@ class Aggregate(Optimizer):
     kind: ClassVar[str] = "aggregate"
     updates_parameters: ClassVar[bool] = False
 
-    def step(self, param: Array, grad: Array, state: State, step: int) -> tuple[Array, State]:
-        return grad.astype(param.dtype, copy=True), state
+    def step(self, param: Array, grad: Array, state: State, step: int, *,
+             scale: float = 1.0) -> tuple[Array, State]:
+        return _scaled(grad, scale, param.dtype), state
 
 
 _KINDS: dict[str, type[Optimizer]] = {

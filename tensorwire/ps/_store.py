@@ -130,7 +130,9 @@ class ShardStore:
                 if worker in entry.contributors:
                     continue
                 entry.contributors.add(worker)
-                entry.acc = grad.copy() if entry.acc is None else entry.acc + grad
+                # The first gradient is kept as it arrived (a view of the
+                # receive buffer, which nothing writes into); sums are new arrays.
+                entry.acc = grad if entry.acc is None else entry.acc + grad
                 changed = True
             if self.clocks.record(worker, clock):
                 self._apply_step()
@@ -140,7 +142,7 @@ class ShardStore:
                 if clock < entry.seen[worker]:
                     continue
                 entry.seen[worker] = clock + 1
-                self._update(entry, grad * np.asarray(scale, entry.value.dtype))
+                self._update(entry, grad, scale)
                 changed = True
             self.clocks.record(worker, clock)
         if changed:
@@ -150,20 +152,19 @@ class ShardStore:
     def _apply_step(self) -> None:
         """sync: every worker's push for the step is in; apply the mean (or the sum)."""
         aggregate = not self.job.optimizer.updates_parameters
-        n = self.job.num_workers
+        scale = 1.0 if aggregate else 1.0 / self.job.num_workers
         for entry in self.entries.values():
             if entry.acc is None:
                 continue  # no worker pushed this chunk this step
-            grad = entry.acc if aggregate else entry.acc / np.asarray(n, entry.acc.dtype)
-            self._update(entry, grad)
+            self._update(entry, entry.acc, scale)
             entry.acc = None
             entry.contributors.clear()
         self.clocks.advance()
 
-    def _update(self, entry: _Entry, grad: Array) -> None:
+    def _update(self, entry: _Entry, grad: Array, scale: float) -> None:
         entry.updates += 1
         entry.value, entry.state = self.job.optimizer.step(
-            entry.value, grad, entry.state, entry.updates
+            entry.value, grad, entry.state, entry.updates, scale=scale
         )
 
     # -- checkpoints -------------------------------------------------------------

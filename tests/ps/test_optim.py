@@ -151,3 +151,17 @@ def test_invalid_settings_are_refused() -> None:
         optimizer_from_wire({"kind": "lamb"})
     with pytest.raises(ConfigError):
         optimizer_from_wire({"kind": "sgd", "lr": 0.1, "betas": 3})
+
+
+@pytest.mark.parametrize("opt", [ps.SGD(lr=0.1), ps.SGD(lr=0.1, momentum=0.9, weight_decay=0.1),
+                                 ps.Adam(lr=0.01, weight_decay=0.1), ps.Adagrad(),
+                                 ps.Aggregate()])
+def test_scale_is_the_same_as_a_scaled_gradient(opt: ps.Optimizer) -> None:
+    param, grads = data(4)
+    state_a = state_b = opt.init_state(param)
+    a = b = param
+    for t, g in enumerate(grads, 1):
+        a, state_a = opt.step(a, g, state_a, t, scale=1 / 3)
+        b, state_b = opt.step(b, g / 3, state_b, t)
+    np.testing.assert_allclose(a, b, rtol=1e-12)
+    assert a.dtype == param.dtype
