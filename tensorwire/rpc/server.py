@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import dis
 import inspect
 import logging
 import time
@@ -63,7 +65,7 @@ class Reflection(Service):
 
 
 class _Handler:
-    __slots__ = ("check", "func", "info", "metrics", "name")
+    __slots__ = ("check", "func", "info", "inline", "metrics", "name")
 
     def __init__(self, name: str, func: Callable[..., Any], info: MethodInfo,
                  metrics: MethodMetrics) -> None:
@@ -72,6 +74,10 @@ class _Handler:
         self.info = info
         self.metrics = metrics
         self.check = argument_checker(info.signature)
+        # A unary handler that cannot suspend runs to its end at once: it
+        # needs no task of its own (Python 3.12's eager tasks, for the case
+        # where they are plainly safe), no deadline timer, no cancellation.
+        self.inline = not info.streaming and _never_suspends(func)
 
 
 class Server:
@@ -305,9 +311,55 @@ class _Session:
         if error is not None:
             self.channel.send_soon(_error_message(call_id, error))
             return
+        server = self.server
+        handler = server._handlers.get(request.method)
+        slots = server._slots
+        assert slots is not None
+        if (handler is not None and handler.inline and request.stream_arg < 0
+                and slots.try_acquire()):
+            self._run_inline(handler, request, nbytes, slots)
+            return
         call = _Call(self, request, nbytes)
         self.calls[call_id] = call
         call.task.add_done_callback(call.forget)
+
+
+    def _run_inline(self, handler: _Handler, request: protocol.Request, nbytes: int,
+                    slots: Slots) -> None:
+        """Run a handler that cannot suspend, here and now (see ``_Handler``)."""
+        started = time.perf_counter()
+        metrics = handler.metrics
+        metrics.bytes_in += nbytes
+        failed = True
+        reply: protocol.Message | None
+        try:
+            try:
+                args, kwargs = _unpack_arguments(request, handler)
+                _check_arguments(handler, args, kwargs)
+                coro = handler.func(*args, **kwargs)
+                try:
+                    # A context of its own, as a task would have.
+                    contextvars.copy_context().run(coro.send, None)
+                except StopIteration as stop:
+                    result = stop.value
+                else:
+                    coro.close()
+                    raise RuntimeError(f"{handler.name} suspended, though it has no await")
+                reply = protocol.Response(request.call_id, _encode(result, handler.name))
+                failed = False
+            finally:
+                slots.release()
+        except asyncio.CancelledError:
+            reply = None  # a handler that cancels itself gets no reply, as in a task
+        except Exception as exc:
+            if not isinstance(exc, RemoteError):
+                logger.debug("%s raised", request.method, exc_info=exc)
+            reply = _error_message(request.call_id, exc)
+        finally:
+            metrics.observe(time.perf_counter() - started, error=failed)
+        if reply is not None:
+            with contextlib.suppress(Unavailable):
+                metrics.bytes_out += self.channel.post(reply)
 
 
 class _InStream:
@@ -351,6 +403,37 @@ class _InStream:
             self._consumed = 0
         assert isinstance(message, protocol.Item)
         return _decode(message.value, "stream item")
+
+
+def _unpack_arguments(
+    request: protocol.Request, handler: _Handler
+) -> tuple[list[Any], dict[str, Any]]:
+    value = _decode(request.value, f"the arguments of {handler.name}")
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) != 2
+        or not isinstance(value[0], list | tuple)
+        or not isinstance(value[1], dict)
+    ):
+        raise InvalidArgument("a request's value must be [args, kwargs]")
+    return list(value[0]), value[1]
+
+
+def _check_arguments(handler: _Handler, args: list[Any], kwargs: dict[str, Any]) -> None:
+    try:
+        handler.check(args, kwargs)
+    except TypeError as exc:
+        shown = signature_text(handler.info.signature)
+        raise InvalidArgument(f"arguments do not fit {handler.name}{shown}: {exc}") from None
+
+
+def _never_suspends(func: Callable[..., Any]) -> bool:
+    """True for a coroutine function whose body has no ``await``, ``async
+    with`` or ``async for``: every suspension point compiles to YIELD_VALUE."""
+    code = getattr(func, "__code__", None)
+    if code is None or not inspect.iscoroutinefunction(func):
+        return False
+    return not any(ins.opname == "YIELD_VALUE" for ins in dis.get_instructions(code))
 
 
 def _decode(frames: list[Any], what: str) -> Any:
@@ -491,15 +574,7 @@ class _Call:
                     self.metrics.bytes_out += sent
 
     def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
-        value = _decode(self.request.value, f"the arguments of {handler.name}")
-        if (
-            not isinstance(value, list | tuple)
-            or len(value) != 2
-            or not isinstance(value[0], list | tuple)
-            or not isinstance(value[1], dict)
-        ):
-            raise InvalidArgument("a request's value must be [args, kwargs]")
-        args, kwargs = list(value[0]), value[1]
+        args, kwargs = _unpack_arguments(self.request, handler)
         stream_arg = self.request.stream_arg
         if stream_arg >= 0:
             if stream_arg > len(args):
@@ -507,11 +582,7 @@ class _Call:
             window = self.session.server.config.stream_window
             self.instream = _InStream(self, window)
             args.insert(stream_arg, self.instream)
-        try:
-            handler.check(args, kwargs)
-        except TypeError as exc:
-            shown = signature_text(handler.info.signature)
-            raise InvalidArgument(f"arguments do not fit {handler.name}{shown}: {exc}") from None
+        _check_arguments(handler, args, kwargs)
         if self.instream is not None:
             self.session.channel.send_soon(protocol.Credit(self.call_id, self.instream.window))
         return args, kwargs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import traceback
 from collections.abc import AsyncIterator
 from typing import Any
@@ -538,3 +539,34 @@ async def test_a_deadline_mid_send_does_not_break_other_calls(url: str) -> None:
             await client.call("Store.put", "big", np.ones(256 << 20, np.uint8), timeout=0.02)
         assert await bystander == "done"
         assert await client.call("Store.echo", "still connected") == "still connected"
+
+
+_TAG: contextvars.ContextVar[str] = contextvars.ContextVar("tag", default="unset")
+
+
+class Tagged(rpc.Service):
+    """Handlers without an await run inline; they still get a context each."""
+
+    @rpc.method
+    async def set_tag(self, tag: str) -> str:
+        _TAG.set(tag)
+        return _TAG.get()
+
+    @rpc.method
+    async def tag(self) -> str:
+        return _TAG.get()
+
+    @rpc.method
+    async def cancels_itself(self) -> None:
+        raise asyncio.CancelledError
+
+
+async def test_inline_handlers_do_not_share_context_variables(url: str) -> None:
+    async with serving(url, Tagged()) as server, tw.connect(server.addresses[0]) as client:
+        assert await client.call("Tagged.set_tag", "mine") == "mine"
+        assert await client.call("Tagged.tag") == "unset"
+        with pytest.raises(DeadlineExceeded):
+            await client.call("Tagged.cancels_itself", timeout=0.2)
+        # The connection and the server are fine after it.
+        assert await client.call("Tagged.tag") == "unset"
+        assert server.metrics()["Tagged.tag"]["calls"] == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 from typing import Any
@@ -86,3 +87,37 @@ def test_two_methods_with_one_remote_name_are_refused() -> None:
 
     with pytest.raises(ConfigError, match="both have the remote name 'x'"):
         describe(Clash)
+
+
+class _Kinds:
+    async def plain(self, x: int) -> int:
+        return x + 1
+
+    async def awaits(self) -> None:
+        await asyncio.sleep(0)
+
+    async def uses_async_with(self, lock: asyncio.Lock) -> None:
+        async with lock:
+            pass
+
+    async def uses_async_for(self, items: Any) -> None:
+        async for _ in items:
+            pass
+
+    async def awaits_in_a_comprehension(self, items: Any) -> list[Any]:
+        return [await item for item in items]
+
+    def not_a_coroutine(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("name", "inline"),
+    [("plain", True), ("awaits", False), ("uses_async_with", False),
+     ("uses_async_for", False), ("awaits_in_a_comprehension", False),
+     ("not_a_coroutine", False)],
+)
+def test_only_handlers_that_cannot_suspend_run_inline(name: str, inline: bool) -> None:
+    from tensorwire.rpc.server import _never_suspends
+
+    assert _never_suspends(getattr(_Kinds(), name)) is inline
