@@ -1,23 +1,28 @@
-"""Per-worker clocks of one shard and the rules of the three consistency modes.
+"""Per-chunk, per-worker clocks of one shard and the rules of the consistency modes.
 
 Pure bookkeeping, no asyncio: the shard asks whether a push may be applied
 and whether a worker may read, and waits itself when the answer is "not yet".
 
 A worker's *clock* is the number of steps it has pushed; its push for step
 ``t`` carries clock ``t`` and its pull after that push carries ``t + 1``.
+Every chunk keeps, per worker, how many of that worker's pushes it took,
+so a push split over several messages, or retried, counts once per chunk:
+pushes are idempotent, keyed by (worker, clock, chunk).
 
-- ``sync``: the shard sums every worker's gradient for step ``t`` and
-  applies them together; a pull at clock ``t + 1`` waits for that. A push
-  for a later step waits until step ``t`` is complete.
+- ``sync``: each chunk sums every worker's gradient for step ``t`` and is
+  updated once the last one arrives; a read at clock ``t + 1`` waits for
+  that. A push for a later step waits until the chunk's step ``t`` is done.
 - ``ssp`` (stale synchronous parallel, Ho et al. 2013): every push is
-  applied at once; a worker at clock ``c`` may read only when the slowest
-  worker has clock ``c - staleness`` or more.
+  applied at once; a worker at clock ``c`` may read a chunk only when every
+  worker's pushes up to step ``c - staleness - 1`` reached it.
 - ``async``: every push is applied at once; reads never wait.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from ..errors import ConfigError, InvalidArgument
@@ -32,12 +37,20 @@ class Decision(enum.Enum):
     """What to do with a push."""
 
     APPLY = "apply"
-    DUPLICATE = "duplicate"  # applied before: drop it (a retry)
-    WAIT = "wait"  # a later step than the one being collected (sync only)
+    DUPLICATE = "duplicate"  # every chunk took it before: a retry
+    WAIT = "wait"  # sync: a chunk is still collecting an earlier step
+
+
+@dataclasses.dataclass(slots=True)
+class _Chunk:
+    taken: list[int]  # per worker: pushes this chunk took (the next clock expected)
+    step: int = 0  # sync: steps applied; the step being collected
+    done: set[int] = dataclasses.field(default_factory=set)  # sync: pushed for ``step``
+    lost: int = 0  # steps skipped after a restore from an older checkpoint
 
 
 class Clocks:
-    """The clocks of ``num_workers`` workers on one shard.
+    """The clocks of ``num_workers`` workers on the chunks of one shard.
 
     Raises:
         ConfigError: an unknown mode, fewer than one worker, negative staleness.
@@ -53,111 +66,165 @@ class Clocks:
         self.mode: str = mode
         self.num_workers = num_workers
         self.staleness = staleness
-        #: Steps pushed, per worker (the next clock each worker will push).
-        self.clocks = [0] * num_workers
-        #: sync: steps fully applied; the step being collected.
-        self.step = 0
-        #: sync: workers whose push for ``step`` has arrived.
-        self.done: set[int] = set()
-        #: Steps skipped because the shard lost them (restored from an older checkpoint).
-        self.lost_steps = 0
+        self.chunks: dict[str, _Chunk] = {}
 
-    def _check_worker(self, worker: int) -> None:
+    # -- bookkeeping ------------------------------------------------------------
+
+    def add(self, key: str) -> None:
+        """Track a new chunk (at clock 0 for every worker)."""
+        self.chunks.setdefault(key, _Chunk([0] * self.num_workers))
+
+    def check_worker(self, worker: int) -> None:
+        """Raises InvalidArgument for a worker outside ``0 .. num_workers - 1``."""
         if not 0 <= worker < self.num_workers:
             raise InvalidArgument(f"worker {worker} is not in 0..{self.num_workers - 1}")
 
-    def admit(self, worker: int, clock: int, seen: int = 0) -> Decision:
-        """May the push of ``worker`` for step ``clock`` be applied now?
+    def _get(self, keys: Iterable[str]) -> list[tuple[str, _Chunk]]:
+        try:
+            return [(key, self.chunks[key]) for key in keys]
+        except KeyError as exc:
+            raise InvalidArgument(f"chunk {exc} is not initialized on this shard") from None
 
-        ``seen`` is the clock of the worker's latest read from this shard. In
-        sync mode, a ``seen`` beyond the step being collected, or a push for
-        a later step when nothing of the current one has arrived, means this
-        shard lost steps (it was restored from an older checkpoint): it jumps
-        ahead, dropping what it collected of the lost step.
+    @property
+    def step(self) -> int:
+        """sync: the step every chunk has completed (0 without chunks)."""
+        return min((c.step for c in self.chunks.values()), default=0)
+
+    @property
+    def clocks(self) -> list[int]:
+        """Per worker: the pushes every chunk has taken from it."""
+        if not self.chunks:
+            return [0] * self.num_workers
+        return [min(c.taken[w] for c in self.chunks.values()) for w in range(self.num_workers)]
+
+    @property
+    def lost_steps(self) -> int:
+        """The most steps any chunk skipped after restarting from an older checkpoint."""
+        return max((c.lost for c in self.chunks.values()), default=0)
+
+    # -- pushes -----------------------------------------------------------------
+
+    def admit(self, worker: int, clock: int, keys: Iterable[str],
+              seen: int = 0) -> tuple[Decision, list[str]]:
+        """May ``worker``'s push for step ``clock`` to ``keys`` be applied now?
+
+        ``seen`` is the clock of the worker's latest read of these chunks.
+        Returns the decision and, in sync mode, the chunks whose partly
+        collected step was dropped: a chunk behind ``seen``, or behind
+        ``clock`` with nothing of its current step collected, lost steps
+        (the shard restarted from an older checkpoint) and jumps ahead.
 
         Raises:
-            InvalidArgument: unknown worker or a negative clock.
+            InvalidArgument: unknown worker or chunk, or a negative clock.
         """
-        self._check_worker(worker)
+        self.check_worker(worker)
         if clock < 0:
             raise InvalidArgument(f"clock must be at least 0, got {clock}")
-        if self.mode != "sync":
-            return Decision.APPLY
-        if seen > self.step:
-            self._skip_to(seen)
-        if clock < self.step or (clock == self.step and worker in self.done):
-            return Decision.DUPLICATE
-        if clock > self.step:
-            if self.done:
-                return Decision.WAIT
-            self._skip_to(clock)
-        return Decision.APPLY
+        chunks = self._get(keys)
+        dropped: list[str] = []
+        fresh = wait = False
+        for key, chunk in chunks:
+            if self.mode == "sync":
+                if seen > chunk.step:
+                    if chunk.done:
+                        dropped.append(key)
+                    self._skip(chunk, seen)
+                if clock > chunk.step:
+                    if chunk.done:
+                        wait = True
+                        continue
+                    self._skip(chunk, clock)
+                if clock == chunk.step and worker not in chunk.done:
+                    fresh = True
+            elif clock >= chunk.taken[worker]:
+                fresh = True
+        if wait:
+            return Decision.WAIT, dropped
+        return (Decision.APPLY if fresh else Decision.DUPLICATE), dropped
 
-    def _skip_to(self, step: int) -> None:
-        self.lost_steps += step - self.step
-        self.step = step
-        self.done.clear()
-        self.clocks = [max(c, step) for c in self.clocks]
+    def _skip(self, chunk: _Chunk, step: int) -> None:
+        chunk.lost += step - chunk.step
+        chunk.step = step
+        chunk.done.clear()
+        chunk.taken = [max(t, step) for t in chunk.taken]
 
-    def record(self, worker: int, clock: int) -> bool:
-        """Note that the push of ``worker`` for ``clock`` was taken.
+    def accepts(self, worker: int, clock: int, key: str) -> bool:
+        """Whether chunk ``key`` takes this push (False: it took it before)."""
+        chunk = self.chunks[key]
+        if self.mode == "sync":
+            return clock == chunk.step and worker not in chunk.done
+        return clock >= chunk.taken[worker]
 
-        Returns True in sync mode when that push completes the step: the
-        caller applies the step's sum and calls :meth:`advance`.
-        """
-        self.clocks[worker] = max(self.clocks[worker], clock + 1)
+    def record(self, worker: int, clock: int, key: str) -> bool:
+        """Note that chunk ``key`` took the push; True when (sync) that
+        completes the chunk's step: the caller applies the sum and calls
+        :meth:`advance`."""
+        chunk = self.chunks[key]
+        chunk.taken[worker] = max(chunk.taken[worker], clock + 1)
         if self.mode != "sync":
             return False
-        self.done.add(worker)
-        return len(self.done) == self.num_workers
+        chunk.done.add(worker)
+        return len(chunk.done) == self.num_workers
 
-    def advance(self) -> None:
-        """sync: the collected step was applied; collect the next one."""
-        self.step += 1
-        self.done.clear()
+    def advance(self, key: str) -> None:
+        """sync: the chunk's collected step was applied; collect the next one."""
+        chunk = self.chunks[key]
+        chunk.step += 1
+        chunk.done.clear()
 
-    def ready(self, worker: int, clock: int) -> bool:
-        """May ``worker`` read now, at ``clock`` (the steps it has pushed)?
+    # -- reads ------------------------------------------------------------------
 
-        Raises:
-            InvalidArgument: unknown worker.
-        """
-        self._check_worker(worker)
+    def _chunk_ready(self, chunk: _Chunk, clock: int) -> bool:
         if self.mode == "sync":
-            return self.step >= clock
+            return chunk.step >= clock
         if self.mode == "ssp":
-            return min(self.clocks) >= clock - self.staleness
+            return min(chunk.taken) >= clock - self.staleness
         return True
 
-    def behind(self, clock: int) -> list[int]:
-        """The workers a read at ``clock`` waits for."""
-        if self.mode == "sync":
-            if self.step >= clock:
-                return []
-            return [w for w in range(self.num_workers) if w not in self.done]
-        if self.mode == "ssp":
-            return [w for w, c in enumerate(self.clocks) if c < clock - self.staleness]
-        return []
+    def ready(self, worker: int, clock: int, keys: Iterable[str]) -> bool:
+        """May ``worker`` read ``keys`` now, at ``clock`` (the steps it has pushed)?
 
-    def push_may_wait_for(self) -> list[int]:
-        """sync: the workers whose push for the collected step is missing."""
-        return [w for w in range(self.num_workers) if w not in self.done]
+        Raises:
+            InvalidArgument: unknown worker or chunk.
+        """
+        self.check_worker(worker)
+        return all(self._chunk_ready(chunk, clock) for _, chunk in self._get(keys))
+
+    def behind(self, clock: int, keys: Iterable[str]) -> list[int]:
+        """The workers a read of ``keys`` at ``clock`` waits for."""
+        late: set[int] = set()
+        for _, chunk in self._get(keys):
+            if self._chunk_ready(chunk, clock):
+                continue
+            if self.mode == "sync":
+                late.update(w for w in range(self.num_workers) if w not in chunk.done)
+            else:
+                late.update(w for w, t in enumerate(chunk.taken) if t < clock - self.staleness)
+        return sorted(late)
+
+    def waiting_for(self, keys: Iterable[str]) -> list[int]:
+        """sync: the workers whose push for the steps being collected is missing."""
+        late: set[int] = set()
+        for _, chunk in self._get(keys):
+            if chunk.done:
+                late.update(w for w in range(self.num_workers) if w not in chunk.done)
+        return sorted(late)
+
+    # -- checkpoints ------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """The state a checkpoint keeps (the partly collected step is not kept)."""
-        return {"clocks": list(self.clocks), "step": self.step}
+        """The state a checkpoint keeps (partly collected steps are not kept)."""
+        return {key: {"taken": list(c.taken), "step": c.step} for key, c in self.chunks.items()}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: Mapping[str, Any]) -> None:
         """Take the state of :meth:`snapshot`.
 
         Raises:
             InvalidArgument: the snapshot is for another number of workers.
         """
-        clocks = [int(c) for c in state["clocks"]]
-        if len(clocks) != self.num_workers:
-            raise InvalidArgument(
-                f"checkpoint has {len(clocks)} workers, the job {self.num_workers}"
-            )
-        self.clocks = clocks
-        self.step = int(state["step"])
-        self.done.clear()
+        for key, saved in state.items():
+            taken = [int(t) for t in saved["taken"]]
+            if len(taken) != self.num_workers:
+                raise InvalidArgument(
+                    f"checkpoint has {len(taken)} workers, the job {self.num_workers}")
+            self.chunks[key] = _Chunk(taken, int(saved["step"]))

@@ -33,9 +33,7 @@ class _Entry:
     value: Array  # flat; replaced, never written into
     state: State
     updates: int  # optimizer steps taken (Adam's bias correction)
-    seen: Array  # ssp/async: next clock expected from each worker
     acc: Array | None = None  # sync: sum of the step being collected
-    contributors: set[int] = dataclasses.field(default_factory=set)
 
 
 class ShardStore:
@@ -74,9 +72,8 @@ class ShardStore:
                                       f"got {flat.dtype}")
             owned = flat.copy()  # the receive buffer is not ours to keep
             self.entries[key] = _Entry(
-                value=owned, state=self.job.optimizer.init_state(owned), updates=0,
-                seen=np.zeros(self.job.num_workers, np.int64),
-            )
+                value=owned, state=self.job.optimizer.init_state(owned), updates=0)
+            self.clocks.add(key)
 
     def values(self, keys: Sequence[str]) -> list[Array]:
         """The current value of each chunk (arrays the store will not change).
@@ -94,16 +91,17 @@ class ShardStore:
 
     # -- pushes ----------------------------------------------------------------
 
-    def admit(self, worker: int, clock: int, seen: int = 0) -> Decision:
-        """See :meth:`Clocks.admit`."""
-        step = self.clocks.step
-        decision = self.clocks.admit(worker, clock, seen)
-        if self.clocks.step != step:
-            # Skipped ahead: what was being collected belongs to a step the
-            # workers already finished before this shard lost it.
-            for entry in self.entries.values():
-                entry.acc = None
-                entry.contributors.clear()
+    def admit(self, worker: int, clock: int, keys: Sequence[str], seen: int = 0) -> Decision:
+        """See :meth:`Clocks.admit`.
+
+        Raises:
+            InvalidArgument: unknown worker or chunk, negative clock.
+        """
+        decision, dropped = self.clocks.admit(worker, clock, keys, seen)
+        for key in dropped:
+            # What was collected belongs to a step the workers finished
+            # before this shard lost it.
+            self.entries[key].acc = None
         return decision
 
     def push(self, worker: int, clock: int, keys: Sequence[str],
@@ -111,7 +109,11 @@ class ShardStore:
         """Apply an admitted push. Returns True when it changed anything.
 
         Every payload is decoded before anything changes, so a bad one leaves
-        the store as it was.
+        the store as it was. In sync mode a chunk is updated as soon as its
+        last worker's gradient arrives, with the mean of the step's gradients
+        (the sum for :class:`Aggregate`); otherwise each push updates the
+        chunk at once with the gradient over ``num_workers``, so a round of
+        pushes moves SGD as far as one synchronous step.
 
         Raises:
             InvalidArgument: unknown chunk, bad payload, lengths differ.
@@ -124,42 +126,29 @@ class ShardStore:
             if not isinstance(payload, Mapping):
                 raise InvalidArgument(f"chunk {key!r}: payload must be a dict")
             grads.append(decompress(dict(payload), entry.value.size, entry.value.dtype))
+        clocks = self.clocks
+        sync = clocks.mode == "sync"
+        aggregate = not self.job.optimizer.updates_parameters
+        scale = 1.0 if aggregate else 1.0 / self.job.num_workers
         changed = False
-        if self.clocks.mode == "sync":
-            for entry, grad in zip(entries, grads, strict=True):
-                if worker in entry.contributors:
-                    continue
-                entry.contributors.add(worker)
-                # The first gradient is kept as it arrived (a view of the
-                # receive buffer, which nothing writes into); sums are new arrays.
-                entry.acc = grad if entry.acc is None else entry.acc + grad
-                changed = True
-            if self.clocks.record(worker, clock):
-                self._apply_step()
-        else:
-            scale = 1.0 / self.job.num_workers
-            for entry, grad in zip(entries, grads, strict=True):
-                if clock < entry.seen[worker]:
-                    continue
-                entry.seen[worker] = clock + 1
+        for key, entry, grad in zip(keys, entries, grads, strict=True):
+            if not clocks.accepts(worker, clock, key):
+                continue
+            changed = True
+            if not sync:
+                clocks.record(worker, clock, key)
                 self._update(entry, grad, scale)
-                changed = True
-            self.clocks.record(worker, clock)
+                continue
+            # The first gradient is kept as it arrived (a view of the receive
+            # buffer, which nothing writes into); sums are new arrays.
+            entry.acc = grad if entry.acc is None else entry.acc + grad
+            if clocks.record(worker, clock, key):
+                self._update(entry, entry.acc, scale)
+                entry.acc = None
+                clocks.advance(key)
         if changed:
             self.updates += 1
         return changed
-
-    def _apply_step(self) -> None:
-        """sync: every worker's push for the step is in; apply the mean (or the sum)."""
-        aggregate = not self.job.optimizer.updates_parameters
-        scale = 1.0 if aggregate else 1.0 / self.job.num_workers
-        for entry in self.entries.values():
-            if entry.acc is None:
-                continue  # no worker pushed this chunk this step
-            self._update(entry, entry.acc, scale)
-            entry.acc = None
-            entry.contributors.clear()
-        self.clocks.advance()
 
     def _update(self, entry: _Entry, grad: Array, scale: float) -> None:
         entry.updates += 1
@@ -176,13 +165,13 @@ class ShardStore:
         out from another thread is safe while the store goes on.
         """
         meta: dict[str, Any] = {"job": self.job.to_wire(), "clocks": self.clocks.snapshot(),
-                                "updates": self.updates, "chunks": {}}
+                                "step": self.clocks.step, "updates": self.updates,
+                                "chunks": {}}
         arrays: dict[str, Array] = {}
         for index, (key, entry) in enumerate(self.entries.items()):
             meta["chunks"][key] = {"id": index, "updates": entry.updates,
                                    "state": sorted(entry.state)}
             arrays[f"v{index}"] = entry.value
-            arrays[f"seen{index}"] = entry.seen.copy()
             for name, array in entry.state.items():
                 arrays[f"s{index}.{name}"] = array
         return meta, arrays
@@ -204,7 +193,6 @@ class ShardStore:
                     value=np.asarray(arrays[f"v{index}"]),
                     state={name: np.asarray(arrays[f"s{index}.{name}"]) for name in info["state"]},
                     updates=int(info["updates"]),
-                    seen=np.asarray(arrays[f"seen{index}"], np.int64),
                 )
         except KeyError as exc:
             raise InvalidArgument(f"checkpoint lacks {exc}") from None

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -79,9 +80,7 @@ async def connect(
     """
     config = config or PSConfig()
     if compression is not None:
-        config = PSConfig(chunk_bytes=config.chunk_bytes, compression=compression,
-                          timeout=config.timeout, retry_timeout=config.retry_timeout,
-                          rpc=config.rpc)
+        config = dataclasses.replace(config, compression=compression)
     job = Job(num_workers, consistency, staleness, optimizer)
     client = PSClient(addresses, worker=worker, job=job, config=config)
     try:
@@ -90,6 +89,35 @@ async def connect(
         await client.close()
         raise
     return client
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Batch:
+    """Chunks of one shard that travel in one message."""
+
+    shard: int
+    chunks: tuple[Chunk, ...]
+    keys: list[str]
+
+
+def _batches(placement: Placement, message_bytes: int) -> list[_Batch]:
+    """Each shard's chunks, in tensor order, cut into messages of at most
+    ``message_bytes`` (at least one chunk each): small tensors share a
+    message, and a shard updates the first message's chunks while the next
+    arrive."""
+    out: list[_Batch] = []
+    for shard in range(placement.num_shards):
+        group: list[Chunk] = []
+        size = 0
+        for chunk in placement.on_shard(shard):
+            if group and size + chunk.nbytes > message_bytes:
+                out.append(_Batch(shard, tuple(group), [c.key for c in group]))
+                group, size = [], 0
+            group.append(chunk)
+            size += chunk.nbytes
+        if group:
+            out.append(_Batch(shard, tuple(group), [c.key for c in group]))
+    return out
 
 
 class PSClient:
@@ -117,13 +145,13 @@ class PSClient:
         self._clients = [rpc.Client(address, config=config.rpc) for address in addresses]
         self._specs: dict[str, TensorSpec] = {}
         self._placement: Placement | None = None
-        self._by_shard: list[list[Chunk]] = []
-        self._keys: list[list[str]] = []
+        self._batches: list[_Batch] = []
         #: Steps this worker has pushed (the clock of its next push).
         self.clock = 0
+        #: Per batch: the arguments of the latest push, resent after a reconnect.
         self._last_push: dict[int, tuple[Any, ...]] = {}
-        #: Per shard: the clock of this worker's latest read there.
-        self._seen: list[int] = [0] * len(self._clients)
+        #: Per batch: the clock of this worker's latest read of its chunks.
+        self._seen: list[int] = []
 
     # -- lifetime -------------------------------------------------------------------
 
@@ -191,18 +219,19 @@ class PSClient:
         self._specs = {name: TensorSpec.of(name, array) for name, array in arrays.items()}
         chunks = chunk_tensors(self._specs.values(), self.config.chunk_bytes)
         self._placement = place(chunks, len(self._clients))
-        self._by_shard = [self._placement.on_shard(s) for s in range(len(self._clients))]
-        self._keys = [[c.key for c in chunks] for chunks in self._by_shard]
+        self._batches = _batches(self._placement, self.config.message_bytes)
+        self._seen = [0] * len(self._batches)
+        self._last_push.clear()
         logger.info("placed %d tensors as %d chunks on %d shards, imbalance %.3f",
                     len(arrays), len(chunks), len(self._clients), self._placement.imbalance)
         flat = {name: array.reshape(-1) for name, array in arrays.items()}
         job = self.job.to_wire()
         leader = self.worker == 0
         replies = await asyncio.gather(*(
-            self._call(shard, "init", job, self.worker, self._keys[shard],
-                       [flat[c.name][c.start:c.stop] for c in chunks] if leader else [],
-                       [c.size for c in chunks], self.config.timeout)
-            for shard, chunks in enumerate(self._by_shard) if chunks
+            self._call(b.shard, "init", job, self.worker, b.keys,
+                       [flat[c.name][c.start:c.stop] for c in b.chunks] if leader else [],
+                       [c.size for c in b.chunks], self.config.timeout)
+            for b in self._batches
         ))
         return self._assemble(replies)
 
@@ -279,43 +308,42 @@ class PSClient:
                                       f"parameter shape {spec.shape}")
             flat[name] = np.ascontiguousarray(array, dtype=np.dtype(spec.dtype)).reshape(-1)
         payloads = [
-            [self._feedback.compress(c.key, flat[c.name][c.start:c.stop]) for c in chunks]
-            for chunks in self._by_shard
+            [self._feedback.compress(c.key, flat[c.name][c.start:c.stop]) for c in b.chunks]
+            for b in self._batches
         ]
         clock = self.clock
         self.clock += 1
         return clock, payloads
 
     async def _push(self, clock: int, payloads: list[list[Payload]]) -> None:
-        await asyncio.gather(*(self._on_shard(shard, "push", clock, items)
-                               for shard, items in enumerate(payloads) if self._keys[shard]))
+        await asyncio.gather(*(self._on_batch(b, "push", clock, items)
+                               for b, items in enumerate(payloads)))
 
     async def _pull(self, clock: int) -> dict[str, Array]:
         return self._assemble(await asyncio.gather(*(
-            self._on_shard(shard, "pull", clock, []) for shard, keys in enumerate(self._keys)
-            if keys)))
+            self._on_batch(b, "pull", clock, []) for b in range(len(self._batches)))))
 
     async def _push_pull(self, clock: int, payloads: list[list[Payload]]) -> dict[str, Array]:
         return self._assemble(await asyncio.gather(*(
-            self._on_shard(shard, "push_pull", clock, items)
-            for shard, items in enumerate(payloads) if self._keys[shard])))
+            self._on_batch(b, "push_pull", clock, items) for b, items in enumerate(payloads))))
 
-    async def _on_shard(self, shard: int, method: str, clock: int, items: list[Payload]) -> Any:
-        keys, wait = self._keys[shard], self.config.timeout
+    async def _on_batch(self, index: int, method: str, clock: int,
+                        items: list[Payload]) -> Any:
+        batch, wait = self._batches[index], self.config.timeout
         if method == "pull":
-            args: tuple[Any, ...] = (self.worker, clock, keys, wait)
+            args: tuple[Any, ...] = (self.worker, clock, batch.keys, wait)
         else:
-            # ``seen`` tells the shard which step this worker saw complete there:
-            # a shard restored from an older checkpoint catches up to it.
-            args = (self.worker, clock, keys, items, self._seen[shard], wait)
-            self._last_push[shard] = args
-        result = await self._call(shard, method, *args)
+            # ``seen`` tells the shard which step this worker saw complete on
+            # these chunks: a shard restored from an older checkpoint catches up.
+            args = (self.worker, clock, batch.keys, items, self._seen[index], wait)
+            self._last_push[index] = args
+        result = await self._call(batch.shard, method, *args, batch=index)
         if method != "push":
             read_at = clock if method == "pull" else clock + 1
-            self._seen[shard] = max(self._seen[shard], read_at)
+            self._seen[index] = max(self._seen[index], read_at)
         return result
 
-    async def _call(self, shard: int, method: str, *args: Any) -> Any:
+    async def _call(self, shard: int, method: str, *args: Any, batch: int = -1) -> Any:
         """Call a shard, retrying while it is unreachable (all methods are idempotent).
 
         A shard that comes back may have restarted from a checkpoint and lost
@@ -343,7 +371,7 @@ class PSClient:
             # A backoff between reconnection attempts, not a wait for an event.
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
-            last = self._last_push.get(shard)
+            last = self._last_push.get(batch)
             if method in ("pull", "push_pull") and last is not None and last[1] < args[1]:
                 try:
                     await client.call(_SHARD + "push", *last, timeout=timeout, idempotent=True)
@@ -353,10 +381,9 @@ class PSClient:
     def _assemble(self, replies: Sequence[list[Array]]) -> dict[str, Array]:
         """Tensors from the chunk values each shard sent back."""
         placement = self.placement
-        shards = [s for s, keys in enumerate(self._keys) if keys]
         got: dict[str, Array] = {}
-        for shard, values in zip(shards, replies, strict=True):
-            for key, value in zip(self._keys[shard], values, strict=True):
+        for batch, values in zip(self._batches, replies, strict=True):
+            for key, value in zip(batch.keys, values, strict=True):
                 got[key] = value
         out: dict[str, Array] = {}
         pieces: dict[str, list[Chunk]] = {}

@@ -76,6 +76,9 @@ class PSConfig:
 
     Attributes:
         chunk_bytes: largest piece of a tensor placed on one shard.
+        message_bytes: most chunk bytes in one message to a shard; a shard's
+            chunks beyond it go in further messages, concurrently, so the
+            shard updates the first chunks while the rest arrive.
         compression: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
             ``"topk"`` or a :class:`Compressor` (gradients only; parameters
             come back uncompressed).
@@ -87,14 +90,17 @@ class PSConfig:
     """
 
     chunk_bytes: int = 4 * MiB
+    message_bytes: int = 8 * MiB
     compression: str | Compressor = "none"
     timeout: float = 60.0
     retry_timeout: float = 30.0
     rpc: ClientConfig = dataclasses.field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
-            raise ConfigError(f"chunk_bytes must be a positive int, got {self.chunk_bytes!r}")
+        for name in ("chunk_bytes", "message_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"PSConfig.{name} must be a positive int, got {value!r}")
         compressor_for(self.compression)
         for name in ("timeout", "retry_timeout"):
             value = getattr(self, name)

@@ -152,7 +152,7 @@ class Shard(rpc.Service):
             self._since_checkpoint = 0
             path = await asyncio.to_thread(_checkpoint.save, directory, meta, arrays,
                                            keep=self.config.keep_checkpoints)
-        logger.info("checkpoint %s (step %s, %d updates)", path, meta["clocks"]["step"],
+        logger.info("checkpoint %s (step %s, %d updates)", path, meta["step"],
                     meta["updates"])
         return str(path)
 
@@ -215,7 +215,7 @@ class Shard(rpc.Service):
                 f"worker {worker} asked for {wanted.to_wire()}"
             )
         store = self.store
-        store.clocks.ready(worker, 0)  # validates the worker number
+        store.clocks.check_worker(worker)
         if len(sizes) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
         if values:
@@ -247,15 +247,15 @@ class Shard(rpc.Service):
     async def _push(self, worker: int, clock: int, keys: list[str], payloads: list[Payload],
                     seen: int, wait: float) -> None:
         store = self._store()
-        decision = store.admit(worker, clock, seen)
+        decision = store.admit(worker, clock, keys, seen)
         if decision is Decision.WAIT:
             await self._wait_until(
-                lambda: store.admit(worker, clock, seen) is not Decision.WAIT, wait,
-                lambda: (f"push of worker {worker} for step {clock}: step "
-                         f"{store.clocks.step} is still waiting for workers "
-                         f"{store.clocks.push_may_wait_for()}"),
+                lambda: store.admit(worker, clock, keys, seen) is not Decision.WAIT, wait,
+                lambda: (f"push of worker {worker} for step {clock} waited {wait:g} s: an "
+                         f"earlier step still waits for workers "
+                         f"{store.clocks.waiting_for(keys)}"),
             )
-            decision = store.admit(worker, clock, seen)
+            decision = store.admit(worker, clock, keys, seen)
         if decision is Decision.DUPLICATE:
             logger.debug("duplicate push of worker %d for step %d ignored", worker, clock)
             return
@@ -275,11 +275,11 @@ class Shard(rpc.Service):
 
     async def _pull(self, worker: int, clock: int, keys: list[str], wait: float) -> list[Array]:
         store = self._store()
-        if not store.clocks.ready(worker, clock):
+        if not store.clocks.ready(worker, clock, keys):
             await self._wait_until(
-                lambda: store.clocks.ready(worker, clock), wait,
+                lambda: store.clocks.ready(worker, clock, keys), wait,
                 lambda: (f"worker {worker} at clock {clock} waited {wait:g} s for workers "
-                         f"{store.clocks.behind(clock)} (behind; shard clocks "
+                         f"{store.clocks.behind(clock, keys)} (behind; shard clocks "
                          f"{store.clocks.clocks})"),
             )
         return store.values(keys)

@@ -10,65 +10,79 @@ from tensorwire.errors import ConfigError, InvalidArgument
 from tensorwire.ps._consistency import Clocks, Decision
 from tensorwire.ps._store import ShardStore
 
+K = ["a#0"]
+
+
+def clocks(mode: str, workers: int, staleness: int = 0) -> Clocks:
+    result = Clocks(mode, workers, staleness)
+    result.add("a#0")
+    return result
+
+
+def take(c: Clocks, worker: int, clock: int, key: str = "a#0") -> bool:
+    assert c.accepts(worker, clock, key)
+    return c.record(worker, clock, key)
+
 
 def test_sync_collects_a_step_then_lets_readers_through() -> None:
-    clocks = Clocks("sync", 3)
-    assert clocks.ready(0, 0)
+    c = clocks("sync", 3)
+    assert c.ready(0, 0, K)
     for worker in (0, 1):
-        assert clocks.admit(worker, 0) is Decision.APPLY
-        assert not clocks.record(worker, 0)
-    assert not clocks.ready(0, 1)
-    assert clocks.behind(1) == [2]
+        assert c.admit(worker, 0, K) == (Decision.APPLY, [])
+        assert not take(c, worker, 0)
+    assert not c.ready(0, 1, K)
+    assert c.behind(1, K) == [2]
     # A second push from worker 0 for step 1 must wait for step 0.
-    assert clocks.admit(0, 1) is Decision.WAIT
-    assert clocks.admit(0, 0) is Decision.DUPLICATE
-    assert clocks.admit(2, 0) is Decision.APPLY
-    assert clocks.record(2, 0)
-    clocks.advance()
-    assert clocks.ready(0, 1) and clocks.behind(1) == []
-    assert clocks.admit(1, 0) is Decision.DUPLICATE
-    assert clocks.admit(0, 1) is Decision.APPLY
+    assert c.admit(0, 1, K)[0] is Decision.WAIT
+    assert c.waiting_for(K) == [2]
+    assert c.admit(0, 0, K)[0] is Decision.DUPLICATE
+    assert c.admit(2, 0, K)[0] is Decision.APPLY
+    assert take(c, 2, 0)
+    c.advance("a#0")
+    assert c.ready(0, 1, K) and c.behind(1, K) == []
+    assert c.admit(1, 0, K)[0] is Decision.DUPLICATE
+    assert c.admit(0, 1, K)[0] is Decision.APPLY
+    assert c.step == 1 and c.clocks == [1, 1, 1]
+
+
+def test_chunks_keep_their_own_steps() -> None:
+    c = clocks("sync", 1)
+    c.add("b#0")
+    assert take(c, 0, 0, "a#0")
+    c.advance("a#0")
+    # Chunk a finished step 0, chunk b (pushed in another message) not yet.
+    assert c.ready(0, 1, K) and not c.ready(0, 1, ["a#0", "b#0"])
+    assert c.step == 0
+    with pytest.raises(InvalidArgument):
+        c.ready(0, 1, ["nope#0"])
 
 
 def test_sync_skips_ahead_when_a_restored_shard_lost_steps() -> None:
-    clocks = Clocks("sync", 2)
-    clocks.restore({"clocks": [3, 3], "step": 3})
-    assert clocks.admit(1, 7) is Decision.APPLY
-    assert clocks.step == 7 and clocks.lost_steps == 4
-    assert clocks.ready(0, 7) and not clocks.ready(0, 8)
-
-
-def test_sync_catches_up_to_a_step_a_worker_saw_complete() -> None:
-    # Restored at step 3; worker 0 re-sent its push for step 5, which this
-    # shard had completed before it died, and worker 1 already read step 6.
-    shard = store()
-    shard.clocks.restore({"clocks": [3, 3], "step": 3})
-    assert push(shard, 0, 5, 1.0, 1.0)
-    assert shard.clocks.step == 5
-    assert shard.admit(1, 6, seen=6) is Decision.APPLY
-    assert shard.clocks.step == 6 and shard.clocks.lost_steps == 3
-    # Worker 0's contribution to the lost step 5 was dropped, not applied.
-    assert all(entry.acc is None for entry in shard.entries.values())
-    assert shard.clocks.ready(0, 6)
+    c = Clocks("sync", 2)
+    c.restore({"a#0": {"taken": [3, 3], "step": 3}})
+    assert c.admit(1, 7, K) == (Decision.APPLY, [])
+    assert c.step == 7 and c.lost_steps == 4
+    assert c.ready(0, 7, K) and not c.ready(0, 8, K)
 
 
 def test_ssp_lets_a_worker_run_staleness_steps_ahead() -> None:
-    clocks = Clocks("ssp", 2, staleness=2)
+    c = clocks("ssp", 2, staleness=2)
     for t in range(3):
-        assert clocks.admit(0, t) is Decision.APPLY
-        clocks.record(0, t)
+        assert c.admit(0, t, K)[0] is Decision.APPLY
+        take(c, 0, t)
+    assert c.admit(0, 1, K)[0] is Decision.DUPLICATE
     # Worker 0 pushed 3 steps, worker 1 none: reading at clock 3 needs min >= 1.
-    assert clocks.ready(0, 2)
-    assert not clocks.ready(0, 3)
-    assert clocks.behind(3) == [1]
-    clocks.record(1, 0)
-    assert clocks.ready(0, 3)
+    assert c.ready(0, 2, K)
+    assert not c.ready(0, 3, K)
+    assert c.behind(3, K) == [1]
+    take(c, 1, 0)
+    assert c.ready(0, 3, K)
 
 
 def test_async_never_waits() -> None:
-    clocks = Clocks("async", 4)
-    clocks.record(0, 0)
-    assert clocks.ready(0, 100) and clocks.behind(100) == []
+    c = clocks("async", 4)
+    take(c, 0, 0)
+    assert c.ready(0, 100, K) and c.behind(100, K) == []
 
 
 def test_bad_clock_settings() -> None:
@@ -79,9 +93,9 @@ def test_bad_clock_settings() -> None:
     with pytest.raises(ConfigError):
         Clocks("ssp", 2, staleness=-1)
     with pytest.raises(InvalidArgument):
-        Clocks("sync", 2).admit(2, 0)
+        clocks("sync", 2).admit(2, 0, K)
     with pytest.raises(InvalidArgument):
-        Clocks("sync", 2).admit(0, -1)
+        clocks("sync", 2).admit(0, -1, K)
 
 
 def payload(values: np.ndarray) -> dict[str, object]:
@@ -97,7 +111,7 @@ def store(mode: str = "sync", workers: int = 2, optimizer: ps.Optimizer | None =
 
 
 def push(shard: ShardStore, worker: int, clock: int, a: float, b: float) -> bool:
-    assert shard.admit(worker, clock) is Decision.APPLY
+    assert shard.admit(worker, clock, ["a#0", "b#0"]) is Decision.APPLY
     return shard.push(worker, clock, ["a#0", "b#0"],
                       [payload(np.full(3, a, np.float32)), payload(np.full(2, b, np.float32))])
 
@@ -124,7 +138,7 @@ def test_sync_applies_the_mean_once_every_worker_pushed() -> None:
     a, b = shard.values(["a#0", "b#0"])
     np.testing.assert_array_equal(a, -2.0)   # 0 - 1.0 * mean(1, 3)
     np.testing.assert_array_equal(b, -2.0)   # 1 - 1.0 * mean(2, 4)
-    assert shard.admit(0, 0) is Decision.DUPLICATE
+    assert shard.admit(0, 0, ["a#0", "b#0"]) is Decision.DUPLICATE
 
 
 def test_async_applies_each_push_once_scaled_by_the_worker_count() -> None:
@@ -160,6 +174,7 @@ def test_snapshot_restore_round_trip_continues_identically() -> None:
     meta, arrays = shard.snapshot()
     twin = ShardStore.restore(meta, arrays)
     assert twin.job == shard.job and twin.clocks.clocks == [1, 1]
+    assert twin.clocks.snapshot() == shard.clocks.snapshot()
     for copy in (shard, twin):
         push(copy, 0, 1, 0.3, 0.3)
         assert not copy.push(0, 1, ["a#0"], [payload(np.ones(3, np.float32))])

@@ -135,17 +135,20 @@ async def test_a_killed_shard_restores_its_checkpoint_and_training_continues(
                 w.train, addresses, rank, WORKERS, steps, optimizer, "none", 30.0))
             for rank in range(WORKERS)))
         async with tw.connect(first, timeout=60) as probe:
-            # Join the job with no chunks (as the workers will: their init is
-            # idempotent), then a sync-mode pull at clock 10 returns once
-            # step 10 was applied.
+            # Join the job as a worker other than 0 would (waiting for worker
+            # 0's values); then a sync-mode pull at clock 10 returns once
+            # step 10 was applied to these chunks.
             job = ps.Job(WORKERS, "sync", 0, optimizer).to_wire()
-            await probe.call("tensorwire.ps.Shard.init", job, 1, [], [], [], 30)
-            await probe.call("tensorwire.ps.Shard.pull", 0, 10, [], 30)
+            specs = [ps.TensorSpec.of(k, v) for k, v in w.initial(0).items()]
+            chunks = ps.place(ps.chunk_tensors(specs, w.CHUNK_BYTES), 2).on_shard(0)
+            keys, sizes = [c.key for c in chunks], [c.size for c in chunks]
+            await probe.call("tensorwire.ps.Shard.init", job, 1, keys, [], sizes, 30)
+            await probe.call("tensorwire.ps.Shard.pull", 0, 10, keys, 30)
         os.kill(victim.pid, signal.SIGKILL)
         await victim.wait()
         found = _checkpoint.latest(tmp_path / "s0")
         assert found is not None
-        restored_step = found[1]["clocks"]["step"]
+        restored_step = found[1]["step"]
         assert restored_step > 0
         async with w.shard_process(first, *options) as (_, again):
             assert again == first

@@ -75,6 +75,26 @@ async def test_sync_push_then_pull_without_waiting_reads_after_the_push(url: str
             await c.close()
 
 
+async def test_a_shard_split_over_many_messages_computes_the_same() -> None:
+    results = []
+    for message_bytes in (256, 1 << 20):
+        config = ps.PSConfig(chunk_bytes=256, message_bytes=message_bytes)
+        async with shards() as servers:
+            clients = await workers(servers, 2, config=config, optimizer=ps.Adam(lr=0.1))
+            await asyncio.gather(*(c.init(model()) for c in clients))
+            # Small tensors share one message per shard unless the limit splits them.
+            messages = len(clients[0]._batches)
+            assert messages == 2 if message_bytes > 1000 else messages >= 4
+            for step in range(3):
+                got = await asyncio.gather(*(c.push_pull(ones(float(i + step)))
+                                             for i, c in enumerate(clients)))
+            results.append(got[0])
+            for c in clients:
+                await c.close()
+    for name, value in results[0].items():
+        np.testing.assert_array_equal(results[1][name], value)
+
+
 async def test_a_pull_deadline_names_the_workers_behind() -> None:
     async with shards() as servers:
         clients = await workers(servers, 3, config=ps.PSConfig(chunk_bytes=256, timeout=0.3))
