@@ -18,6 +18,8 @@ __all__ = (
     "Aborted",
     "AlreadyExists",
     "CallCancelled",
+    "CollectiveError",
+    "CollectiveTimeout",
     "ConfigError",
     "ConnectionClosedError",
     "DataLoss",
@@ -28,10 +30,12 @@ __all__ = (
     "Internal",
     "InvalidArgument",
     "LimitExceededError",
+    "MismatchError",
     "NotFound",
     "OutOfRange",
     "PermissionDenied",
     "ProtocolError",
+    "RankFailedError",
     "RemoteError",
     "ResourceExhausted",
     "SerdeError",
@@ -275,3 +279,31 @@ _BY_STATUS: dict[Status, type[RemoteError]] = {
         Unauthenticated,
     )
 }
+
+
+# --- collectives ---------------------------------------------------------------
+
+
+class CollectiveError(TensorwireError):
+    """A collective operation failed; ``ranks`` names the ranks at fault.
+
+    After one of these the group is broken (as an NCCL communicator is after
+    an error): every later operation raises the same error; close the group
+    and create a new one.
+    """
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class MismatchError(CollectiveError, ValueError):
+    """Ranks called different operations, or one with other shapes or dtypes."""
+
+
+class RankFailedError(CollectiveError, ConnectionError):
+    """A rank died, left, or could not be reached."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """An operation passed its deadline; ``ranks`` did not take part in time."""

@@ -1,0 +1,177 @@
+"""What collectives need of an array: a flat view, its bytes, a reduction.
+
+NumPy arrays, CuPy arrays and torch tensors (CPU or CUDA) all become a
+:class:`Flat`: a one-dimensional view of the caller's memory (never a copy)
+with the array module that computes on it. CuPy and torch are imported only
+when such an array is passed.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgument
+
+__all__ = ("Flat", "ReduceOp", "flatten")
+
+
+class ReduceOp(enum.Enum):
+    """How ``allreduce``, ``reduce`` and ``reduce_scatter`` combine values."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+_UFUNC = {
+    ReduceOp.SUM: "add",
+    ReduceOp.AVG: "add",
+    ReduceOp.MIN: "minimum",
+    ReduceOp.MAX: "maximum",
+    ReduceOp.PRODUCT: "multiply",
+}
+
+
+class Flat:
+    """A flat, contiguous view of a caller's array and how to compute on it."""
+
+    __slots__ = ("array", "device", "order", "original", "shape", "xp")
+
+    def __init__(self, array: Any, xp: Any, original: Any, shape: tuple[int, ...],
+                 order: str, device: str) -> None:
+        self.array = array
+        self.xp = xp
+        self.original = original
+        self.shape = shape
+        self.order = order
+        self.device = device
+
+    @property
+    def dtype(self) -> Any:
+        return self.array.dtype
+
+    @property
+    def size(self) -> int:
+        return int(self.array.size)
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.array.dtype.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    def describe(self) -> str:
+        """``<f4[3, 4]C@cpu``: what every rank must agree on."""
+        dims = ", ".join(str(d) for d in self.shape)
+        return f"{self.array.dtype.str}[{dims}]{self.order}@{self.device}"
+
+    def empty(self, count: int) -> Any:
+        """A new flat array of ``count`` items of this dtype, on this device."""
+        return self.xp.empty(count, dtype=self.array.dtype)
+
+    def allocate(self, shape: tuple[int, ...]) -> Flat:
+        """A new C-ordered array of ``shape``, of the caller's kind, dtype and device."""
+        if _module_of(self.original) == "torch":
+            import torch
+
+            tensor = torch.empty(shape, dtype=self.original.dtype, device=self.original.device)
+            return flatten(tensor)
+        return flatten(self.xp.empty(shape, dtype=self.array.dtype))
+
+    def frame(self, part: Any) -> Any:
+        """``part`` (a slice of a flat array) as a uint8 frame, no copy."""
+        return part.view(self.xp.uint8)
+
+    def reduce_into(self, op: ReduceOp, dst: Any, src: Any) -> None:
+        """``dst = op(dst, src)`` in place."""
+        getattr(self.xp, _UFUNC[op])(dst, src, out=dst)
+
+    def divide(self, part: Any, by: int) -> None:
+        """``part /= by`` in place (``ReduceOp.AVG``)."""
+        self.xp.divide(part, by, out=part)
+
+    def sync(self) -> None:
+        """Wait for device work on the data, so a send reads finished values."""
+        if self.device == "cuda":
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def result(self) -> Any:
+        """What an in-place operation returns: the caller's own object."""
+        return self.original
+
+
+def _module_of(x: Any) -> str:
+    return type(x).__module__.partition(".")[0]
+
+
+def flatten(x: Any, *, writable: bool = True, name: str = "array") -> Flat:
+    """A :class:`Flat` view of ``x`` (NumPy, CuPy or torch), without copying.
+
+    Raises:
+        InvalidArgument: ``x`` is not an array, not contiguous, or read-only
+            where the operation writes to it.
+    """
+    module = _module_of(x)
+    if isinstance(x, np.ndarray):
+        return _from_numpy(x, x, writable, name, "cpu")
+    if module == "torch":
+        return _from_torch(x, writable, name)
+    if module == "cupy":
+        return _from_cupy(x, x, name)
+    raise InvalidArgument(
+        f"{name} must be a NumPy array, a CuPy array or a torch tensor, got {type(x).__name__}"
+    )
+
+
+def _order(x: Any, name: str) -> str:
+    if x.flags.c_contiguous:
+        return "C"
+    if x.flags.f_contiguous:
+        return "F"
+    raise InvalidArgument(f"{name} must be contiguous (C or Fortran order)")
+
+
+def _from_numpy(x: np.ndarray[Any, Any], original: Any, writable: bool, name: str,
+                device: str) -> Flat:
+    order = _order(x, name)
+    if writable and not x.flags.writeable:
+        raise InvalidArgument(f"{name} is read-only and this operation writes to it")
+    if x.dtype.hasobject or x.dtype.fields is not None:
+        raise InvalidArgument(f"{name} must have a numeric dtype, got {x.dtype}")
+    flat = x.reshape(-1, order="A") if order == "C" else x.ravel(order="F")
+    return Flat(flat, np, original, tuple(x.shape), order, device)
+
+
+def _from_cupy(x: Any, original: Any, name: str) -> Flat:
+    import cupy
+
+    order = _order(x, name)
+    flat = x.reshape(-1) if order == "C" else x.ravel(order="F")
+    return Flat(flat, cupy, original, tuple(x.shape), order, "cuda")
+
+
+def _from_torch(x: Any, writable: bool, name: str) -> Flat:
+    import torch
+
+    if not x.is_contiguous():
+        raise InvalidArgument(f"{name} must be a contiguous tensor")
+    tensor = x.detach()
+    if tensor.is_cuda:
+        import cupy
+
+        return _from_cupy(cupy.asarray(tensor), x, name)
+    if tensor.dtype == torch.bfloat16:
+        # NumPy has no bfloat16; ml_dtypes gives it arithmetic on the same bytes.
+        import ml_dtypes
+
+        array = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        array = tensor.numpy()
+    return _from_numpy(array, x, writable, name, "cpu")

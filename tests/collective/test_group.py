@@ -1,0 +1,241 @@
+"""Groups whose ranks share one event loop: API, bad input, rendezvous errors,
+zero-copy receives. Real sockets on loopback; the multi-process cases are in
+test_processes.py."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tensorwire.collective import Group, GroupConfig, ReduceOp, serve_rendezvous
+from tensorwire.collective.group import env_settings
+from tensorwire.errors import (
+    AlreadyExists,
+    CollectiveError,
+    ConfigError,
+    InvalidArgument,
+    TensorwireError,
+)
+
+FAST = GroupConfig(timeout=20, rendezvous_timeout=20)
+
+
+async def make_groups(n: int, listen: str = "tcp://127.0.0.1:0",
+                      config: GroupConfig = FAST) -> tuple[list[Group], Any]:
+    server, master = await serve_rendezvous("tcp://127.0.0.1:0", n)
+    groups = await asyncio.gather(*(
+        Group.create(rank=r, world_size=n, master=master, listen=listen, host_master=False,
+                     config=config) for r in range(n)
+    ))
+    return list(groups), server
+
+
+@pytest.fixture
+async def trio() -> AsyncIterator[list[Group]]:
+    groups, server = await make_groups(3)
+    yield groups
+    await asyncio.gather(*(g.close() for g in groups))
+    await server.close(grace=0)
+
+
+async def test_ranks_in_one_loop() -> None:
+    groups, server = await make_groups(3)
+    try:
+        xs = [np.arange(10.0) * (g.rank + 1) for g in groups]
+        results = await asyncio.gather(*(g.allreduce(x) for g, x in zip(groups, xs, strict=True)))
+        for x, result in zip(xs, results, strict=True):
+            assert result is x
+            np.testing.assert_array_equal(x, np.arange(10.0) * 6)
+        parts = await asyncio.gather(*(g.allgather(np.full(2, g.rank)) for g in groups))
+        for p in parts:
+            np.testing.assert_array_equal(p, [[0, 0], [1, 1], [2, 2]])
+        assert [g.rank for g in groups] == [0, 1, 2]
+        assert all(g.world_size == 3 for g in groups)
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+        await server.close(grace=0)
+
+
+async def test_a_group_of_one_needs_no_peers() -> None:
+    groups, server = await make_groups(1)
+    (group,) = groups
+    x = np.arange(5.0)
+    assert await group.allreduce(x, ReduceOp.AVG) is x
+    np.testing.assert_array_equal(x, np.arange(5.0))
+    np.testing.assert_array_equal(await group.allgather(x), [np.arange(5.0)])
+    await group.barrier()
+    await group.close()
+    await server.close(grace=0)
+
+
+async def test_received_data_lands_in_the_callers_array(trio: list[Group]) -> None:
+    outs = [np.zeros((3, 1 << 18), np.float32) for _ in trio]
+    got = await asyncio.gather(*(
+        g.allgather(np.full(1 << 18, g.rank, np.float32), out=out, algorithm="ring")
+        for g, out in zip(trio, outs, strict=True)
+    ))
+    for result, out in zip(got, outs, strict=True):
+        assert result is out
+        np.testing.assert_array_equal(out, np.repeat(np.arange(3.0), 1 << 18).reshape(3, -1))
+
+
+async def test_a_large_allreduce_does_not_copy_its_payload() -> None:
+    # Scratch is one reduction segment; the payload itself is never copied.
+    config = GroupConfig(timeout=60, rendezvous_timeout=20, segment_bytes=1 << 20)
+    groups, server = await make_groups(2, config=config)
+    payload = 32 << 20
+    xs = [np.ones(payload // 4, np.float32) for _ in groups]
+    try:
+        tracemalloc.start()
+        await asyncio.gather(*(g.allreduce(x) for g, x in zip(groups, xs, strict=True)))
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        for x in xs:
+            assert float(x[0]) == 2.0 and float(x[-1]) == 2.0
+        # Both ranks in this process: two segments of scratch, not 2 x 32 MiB.
+        assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB while reducing 2 x 32 MiB"
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+        await server.close(grace=0)
+
+
+async def test_bad_arguments_are_refused_before_anything_is_sent(trio: list[Group]) -> None:
+    group = trio[0]
+    with pytest.raises(InvalidArgument, match="NumPy array"):
+        group.allreduce([1.0, 2.0])
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        group.allreduce(np.zeros((4, 4))[:, 1])
+    readonly = np.zeros(4)
+    readonly.flags.writeable = False
+    with pytest.raises(InvalidArgument, match="read-only"):
+        group.allreduce(readonly)
+    with pytest.raises(InvalidArgument, match="floating"):
+        group.allreduce(np.zeros(4, np.int32), ReduceOp.AVG)
+    with pytest.raises(InvalidArgument, match="unknown reduction"):
+        group.allreduce(np.zeros(4), "median")
+    with pytest.raises(InvalidArgument, match="root"):
+        group.broadcast(np.zeros(4), root=3)
+    with pytest.raises(InvalidArgument, match="algorithm"):
+        group.allreduce(np.zeros(4), algorithm="butterfly")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="shape"):
+        group.alltoall(np.zeros((2, 4)))
+    with pytest.raises(InvalidArgument, match="object"):
+        group.allreduce(np.array([None, 1], dtype=object))
+    with pytest.raises(InvalidArgument, match="another rank"):
+        await group.send(np.zeros(1), 0)
+    # Nothing was queued: the group still runs the next operation on every rank.
+    xs = [np.ones(3) for _ in trio]
+    await asyncio.gather(*(g.allreduce(x) for g, x in zip(trio, xs, strict=True)))
+    assert all((x == 3).all() for x in xs)
+
+
+async def test_cancelling_the_wait_does_not_withdraw_the_operation(trio: list[Group]) -> None:
+    xs = [np.ones(100) for _ in trio]
+    works = [g.allreduce(x) for g, x in zip(trio, xs, strict=True)]
+    works[0].cancel()  # the caller stops waiting; the ranks still run it
+    await asyncio.gather(*works[1:])
+    # The next operation lines up on every rank, so the first one ran there too.
+    await asyncio.gather(*(g.barrier() for g in trio))
+    assert all((x == 3).all() for x in xs)
+
+
+async def test_a_closed_group_refuses_operations() -> None:
+    groups, server = await make_groups(2)
+    await asyncio.gather(*(g.close() for g in groups))
+    await server.close(grace=0)
+    with pytest.raises(CollectiveError, match="closed"):
+        groups[0].allreduce(np.zeros(1))
+
+
+async def test_a_taken_rank_is_refused() -> None:
+    server, master = await serve_rendezvous("tcp://127.0.0.1:0", 2)
+    config = GroupConfig(rendezvous_timeout=2)
+    try:
+        outcomes = await asyncio.gather(*(
+            Group.create(rank=0, world_size=2, master=master, listen="tcp://127.0.0.1:0",
+                         host_master=False, config=config) for _ in range(2)
+        ), return_exceptions=True)
+    finally:
+        await server.close(grace=0)
+    # One of the two is told its rank is taken; the other waits in vain for rank 1.
+    taken = [o for o in outcomes if isinstance(o, AlreadyExists)]
+    assert len(taken) == 1 and "same rank" in str(taken[0])
+    assert all(isinstance(o, TensorwireError) for o in outcomes)
+
+
+async def test_disagreeing_world_sizes_are_refused() -> None:
+    server, master = await serve_rendezvous("tcp://127.0.0.1:0", 2)
+    try:
+        with pytest.raises(InvalidArgument, match="world size 3"):
+            await Group.create(rank=1, world_size=3, master=master, listen="tcp://127.0.0.1:0",
+                               host_master=False, config=GroupConfig(rendezvous_timeout=5))
+    finally:
+        await server.close(grace=0)
+
+
+async def test_a_rank_that_never_comes_times_out_the_rendezvous() -> None:
+    server, master = await serve_rendezvous("tcp://127.0.0.1:0", 2)
+    try:
+        with pytest.raises(TensorwireError):
+            await Group.create(rank=0, world_size=2, master=master, listen="tcp://127.0.0.1:0",
+                               host_master=False, config=GroupConfig(rendezvous_timeout=0.5))
+    finally:
+        await server.close(grace=0)
+
+
+async def test_rank_zero_hosts_the_rendezvous_itself() -> None:
+    group = await Group.create(rank=0, world_size=1, master="tcp://127.0.0.1:0",
+                               listen="tcp://127.0.0.1:0", config=FAST)
+    x = np.full(4, 2.0)
+    await group.allreduce(x)
+    assert (x == 2).all()
+    await group.close()
+
+
+def test_environment_of_each_launcher() -> None:
+    torchrun = {"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
+    assert env_settings(torchrun) == (3, 8, "tcp://10.0.0.1:1234")
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "MASTER_ADDR": "node1"}
+    assert env_settings(slurm) == (1, 4, "tcp://node1:29500")
+    mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "::1"}
+    assert env_settings(mpi) == (0, 2, "tcp://[::1]:29500")
+    with pytest.raises(ConfigError, match="no rank"):
+        env_settings({})
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        env_settings({"RANK": "0", "WORLD_SIZE": "1"})
+    with pytest.raises(ConfigError, match="integers"):
+        env_settings({"RANK": "zero", "WORLD_SIZE": "1", "MASTER_ADDR": "h"})
+
+
+async def test_from_env_joins_a_group() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+           "TENSORWIRE_LISTEN": "tcp://127.0.0.1:0"}
+    group = await Group.from_env(environ=env, config=FAST)
+    assert (group.rank, group.world_size) == (0, 1)
+    await group.close()
+
+
+@pytest.mark.parametrize("bad", [
+    {"timeout": 0}, {"rendezvous_timeout": -1}, {"small_bytes": -1}, {"segment_bytes": 100},
+    {"heartbeat_interval": 5, "heartbeat_timeout": 2},
+])
+def test_config_is_validated(bad: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        GroupConfig(**bad)
+
+
+async def test_create_validates_its_arguments() -> None:
+    with pytest.raises(ConfigError, match="rank"):
+        await Group.create(rank=2, world_size=2, master="tcp://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="world_size"):
+        await Group.create(rank=0, world_size=0, master="tcp://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="tcp://"):
+        await Group.create(rank=0, world_size=1, master="ucx://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="inproc"):
+        await Group.create(rank=0, world_size=1, master="tcp://127.0.0.1:1",
+                           listen="inproc://group")
