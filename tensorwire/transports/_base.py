@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -177,6 +177,48 @@ def check_limits(sizes: Sequence[int], limits: Limits) -> None:
         )
 
 
+def start_eagerly(coro: Coroutine[Any, None, None]) -> asyncio.Future[None] | None:
+    """Run ``coro`` now up to its first suspension; None if it finished.
+
+    Otherwise a task takes it from there, and its future is returned (what
+    Python 3.12's eager tasks do). Only for the transports' own coroutines:
+    until the task exists, ``asyncio.current_task()`` inside ``coro`` is the
+    caller's task. An exception raised before the first suspension is raised
+    here.
+    """
+    try:
+        yielded = coro.send(None)
+    except StopIteration:
+        return None
+    return asyncio.ensure_future(_Resumed(coro, yielded))
+
+
+class _Resumed:
+    """Awaitable that goes on with a coroutine that already yielded ``first``."""
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine[Any, None, None], first: Any) -> None:
+        self._coro = coro
+        self._first = first
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        coro, yielded = self._coro, self._first
+        while True:
+            try:
+                sent = yield yielded
+            except BaseException as exc:  # thrown in by the task: a cancel
+                try:
+                    yielded = coro.throw(exc)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    yielded = coro.send(sent)
+                except StopIteration:
+                    return
+
+
 class RecvQueue:
     """The messages a connection received and the ``recv()`` calls waiting.
 
@@ -318,7 +360,7 @@ class Connection(abc.ABC):
         """
         if self.closed:
             raise ConnectionClosedError(f"connection to {self.peer_address} is closed")
-        return asyncio.ensure_future(self.send_many(messages))
+        return start_eagerly(self.send_many(messages))
 
     @abc.abstractmethod
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
