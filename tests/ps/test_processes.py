@@ -13,6 +13,8 @@ import importlib.util
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -168,3 +170,24 @@ async def test_a_killed_shard_restores_its_checkpoint_and_training_continues(
         expected = w.reference(results[0]["start"], WORKERS, steps, optimizer)
         for name, value in expected.items():
             np.testing.assert_allclose(results[0]["final"][name], value, rtol=1e-5, atol=1e-6)
+
+
+async def test_sigterm_stops_a_shard_with_a_last_checkpoint(tmp_path: Path) -> None:
+    async with w.shard_process("tcp://127.0.0.1:0", "--checkpoint-dir", str(tmp_path)) as (
+            child, address):
+        client = await ps.connect([address], worker=0, num_workers=1, optimizer=ps.SGD(lr=1))
+        await client.init({"w": np.zeros(3, np.float32)})
+        await client.push_pull({"w": np.ones(3, np.float32)})
+        await client.close()
+        child.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(child.wait(), 30) == 0
+    found = _checkpoint.latest(tmp_path)
+    assert found is not None and found[1]["step"] == 1
+
+
+def test_tensorwire_demo_trains() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tensorwire", "demo", "--epochs", "4", "--min-accuracy", "0.85"],
+        capture_output=True, text=True, timeout=110, cwd=w.ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "final test accuracy" in result.stdout
