@@ -69,8 +69,7 @@ class Flat:
 
     def describe(self) -> str:
         """``<f4[3, 4]C@cpu``: what every rank must agree on."""
-        dims = ", ".join(str(d) for d in self.shape)
-        return f"{self.array.dtype.str}[{dims}]{self.order}@{self.device}"
+        return f"{self.array.dtype.str}{list(self.shape)}{self.order}@{self.device}"
 
     def empty(self, count: int) -> Any:
         """A new flat array of ``count`` items of this dtype, on this device."""

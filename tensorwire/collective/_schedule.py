@@ -1,7 +1,9 @@
 """Communication schedules: who sends which block to whom, step by step.
 
 Pure functions of (rank, world size, sizes): no I/O, no arrays, so they are
-tested without sockets. The group's asyncio code walks these plans.
+tested without sockets. The group's asyncio code walks these plans; the
+per-rank plans are cached, since a training loop asks for the same ones on
+every step. Cached plans are shared: callers must not change them.
 
 References: Thakur, Rabenseifner and Gropp, "Optimization of Collective
 Communication Operations in MPICH" (IJHPCA 2005) for recursive doubling with
@@ -14,6 +16,7 @@ Yuan (JPDC 2009) for the bandwidth-optimal ring allreduce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 __all__ = (
     "BruckStep",
@@ -67,18 +70,20 @@ class RingStep:
     recv: int
 
 
-def ring_reduce_scatter(rank: int, size: int) -> list[RingStep]:
+@functools.cache
+def ring_reduce_scatter(rank: int, size: int) -> tuple[RingStep, ...]:
     """The ``size - 1`` steps after which ``rank`` holds block ``rank`` fully reduced.
 
     At step ``s`` a rank sends block ``rank - s - 1`` (the one it reduced in
     the step before) and reduces block ``rank - s - 2`` with what arrives.
     """
-    return [RingStep((rank - s - 1) % size, (rank - s - 2) % size) for s in range(size - 1)]
+    return tuple(RingStep((rank - s - 1) % size, (rank - s - 2) % size) for s in range(size - 1))
 
 
-def ring_allgather(rank: int, size: int) -> list[RingStep]:
+@functools.cache
+def ring_allgather(rank: int, size: int) -> tuple[RingStep, ...]:
     """The ``size - 1`` steps that spread block ``i`` from rank ``i`` to every rank."""
-    return [RingStep((rank - s) % size, (rank - s - 1) % size) for s in range(size - 1)]
+    return tuple(RingStep((rank - s) % size, (rank - s - 1) % size) for s in range(size - 1))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,6 +108,7 @@ class DoublingPlan:
         return self.fold_to
 
 
+@functools.cache
 def recursive_doubling(rank: int, size: int) -> DoublingPlan:
     """The recursive-doubling plan of ``rank`` in a group of ``size``."""
     p = 1 << (size.bit_length() - 1)
@@ -127,7 +133,8 @@ def recursive_doubling(rank: int, size: int) -> DoublingPlan:
     return DoublingPlan(fold_to=None, absorb=extra, partners=tuple(partners), give_back=extra)
 
 
-def binomial_tree(rank: int, size: int, root: int) -> tuple[int | None, list[int]]:
+@functools.cache
+def binomial_tree(rank: int, size: int, root: int) -> tuple[int | None, tuple[int, ...]]:
     """``(parent, children)`` of ``rank`` in the binomial tree rooted at ``root``.
 
     Children are in the order a broadcast sends to them (largest subtree
@@ -147,7 +154,7 @@ def binomial_tree(rank: int, size: int, root: int) -> tuple[int | None, list[int
         if vrank + mask < size:
             children.append((vrank + mask + root) % size)
         mask >>= 1
-    return parent, children
+    return parent, tuple(children)
 
 
 def chain(rank: int, size: int, root: int) -> tuple[int | None, int | None]:
@@ -158,14 +165,15 @@ def chain(rank: int, size: int, root: int) -> tuple[int | None, int | None]:
     return previous, following
 
 
-def dissemination(rank: int, size: int) -> list[tuple[int, int]]:
+@functools.cache
+def dissemination(rank: int, size: int) -> tuple[tuple[int, int], ...]:
     """Barrier rounds ``(send_to, recv_from)``: ``ceil(log2(size))`` of them."""
     rounds = []
     distance = 1
     while distance < size:
         rounds.append(((rank + distance) % size, (rank - distance) % size))
         distance <<= 1
-    return rounds
+    return tuple(rounds)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,7 +187,8 @@ class BruckStep:
     count: int
 
 
-def bruck_steps(rank: int, size: int) -> list[BruckStep]:
+@functools.cache
+def bruck_steps(rank: int, size: int) -> tuple[BruckStep, ...]:
     """Bruck's allgather: ``ceil(log2(size))`` steps for any ``size``.
 
     Relative block ``i`` of a rank is the block of rank ``(rank + i) % size``;
@@ -197,9 +206,10 @@ def bruck_steps(rank: int, size: int) -> list[BruckStep]:
             )
         )
         distance <<= 1
-    return steps
+    return tuple(steps)
 
 
-def pairwise(rank: int, size: int) -> list[tuple[int, int]]:
+@functools.cache
+def pairwise(rank: int, size: int) -> tuple[tuple[int, int], ...]:
     """All-to-all exchange rounds ``(send_to, recv_from)``, ``size - 1`` of them."""
-    return [((rank + s) % size, (rank - s) % size) for s in range(1, size)]
+    return tuple(((rank + s) % size, (rank - s) % size) for s in range(1, size))

@@ -453,7 +453,9 @@ class Group:
 
         def allocate(info: FrameInfo) -> Any:
             index = info.index - 1
-            if 0 <= index < len(frames) and info.nbytes == sizes[index] and (
+            if index < 0:
+                return bytearray(info.nbytes)  # the header
+            if index < len(frames) and info.nbytes == sizes[index] and (
                 (info.device == "cuda") == hasattr(frames[index], "__cuda_array_interface__")
             ):
                 return frames[index]

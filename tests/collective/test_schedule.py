@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tensorwire.collective import _schedule as schedule
@@ -15,7 +17,7 @@ def test_split_covers_the_range_in_nearly_equal_blocks(count: int, parts: int) -
     bounds = schedule.split(count, parts)
     assert len(bounds) == parts
     assert bounds[0][0] == 0 and bounds[-1][1] == count
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     lengths = [hi - lo for lo, hi in bounds]
     assert max(lengths) - min(lengths) <= 1
     assert lengths == sorted(lengths, reverse=True)
