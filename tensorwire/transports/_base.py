@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import logging
 from collections import deque
@@ -60,7 +61,9 @@ ConnectionHandler = Callable[["Connection"], Awaitable[None]]
 def host_empty(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """A writable uint8 array of ``nbytes`` whose data is ALIGNMENT-aligned."""
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    offset = -raw.ctypes.data % ALIGNMENT
+    # ctypes.addressof(c_char.from_buffer()) costs half of ``raw.ctypes.data``,
+    # and this runs for every message received.
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(raw.data)) % ALIGNMENT
     return raw[offset : offset + nbytes]
 
 

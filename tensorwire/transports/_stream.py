@@ -46,21 +46,29 @@ def outgoing(frames: Sequence[Any]) -> list[Any]:
     memory, since a socket cannot read device memory.
     """
     sizes: list[int] = []
-    devices: list[str] = []
+    devices: list[str] | None = None
     views: list[Any] = []
-    for frame in frames:
-        if is_device_frame(frame):
+    for index, frame in enumerate(frames):
+        # bytes and memoryviews (what serde and the RPC layer send) skip
+        # the device check, which costs a failed attribute lookup.
+        if type(frame) not in _HOST_TYPES and is_device_frame(frame):
             from ._device import device_to_host
 
+            if devices is None:
+                devices = ["cpu"] * index
             sizes.append(device_nbytes(frame))
             devices.append("cuda")
             views.append(device_to_host(frame).data)
         else:
             view = host_view(frame)
             sizes.append(view.nbytes)
-            devices.append("cpu")
+            if devices is not None:
+                devices.append("cpu")
             views.append(view)
     return [pack_header(sizes, devices), *views]
+
+
+_HOST_TYPES = frozenset({bytes, bytearray, memoryview})
 
 
 def _outgoing_many(messages: Sequence[Sequence[Any]]) -> list[Any]:

@@ -102,10 +102,11 @@ def _sizes_struct(nframes: int) -> struct.Struct:
     return struct.Struct(f"<{nframes}Q")
 
 
-def pack_header(sizes: Sequence[int], devices: Sequence[str]) -> bytes:
-    """The prelude and frame table that precede a message's frames."""
+def pack_header(sizes: Sequence[int], devices: Sequence[str] | None = None) -> bytes:
+    """The prelude and frame table that precede a message's frames
+    (``devices`` None: all in host memory)."""
     n = len(sizes)
-    if all(d == "cpu" for d in devices):
+    if devices is None or all(d == "cpu" for d in devices):
         codes = bytes(n + (-n % 8))
     else:
         codes = bytes(DEVICE_CODES[d] for d in devices) + bytes(-n % 8)
