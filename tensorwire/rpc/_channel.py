@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 #: Messages gathered in one loop turn are written together, at most this many
 #: per write (see ``Channel.post``).
-BATCH = 16
+BATCH = 32
 
 
 def frames_nbytes(frames: list[Any]) -> int:
