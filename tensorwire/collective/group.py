@@ -219,17 +219,18 @@ class Group:
         Understands torchrun (``RANK``, ``WORLD_SIZE``), Slurm
         (``SLURM_PROCID``, ``SLURM_NTASKS``) and Open MPI
         (``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``); the rendezvous is
-        ``MASTER_ADDR:MASTER_PORT`` (port 29500 when unset). ``TENSORWIRE_LISTEN``
-        sets ``listen`` when the argument is not given.
+        ``MASTER_ADDR:MASTER_PORT`` (see :func:`env_settings` for the details).
+        ``TENSORWIRE_LISTEN`` sets ``listen`` when the argument is not given.
 
         Raises:
             ConfigError: the environment names no rank, world size or master.
         """
         env = os.environ if environ is None else environ
-        rank, world_size, master = env_settings(env)
+        settings = env_settings(env)
         listen = listen or env.get("TENSORWIRE_LISTEN") or None
-        return await cls.create(rank=rank, world_size=world_size, master=master,
-                                listen=listen, config=config)
+        return await cls.create(rank=settings.rank, world_size=settings.world_size,
+                                master=settings.master, listen=listen,
+                                host_master=settings.host_master, config=config)
 
     async def _connect(self) -> None:
         """Open a data connection to every other rank (the higher rank dials)."""
@@ -1107,8 +1108,25 @@ def _same_memory(a: Any, b: Any) -> bool:
         return False
 
 
-def env_settings(env: Mapping[str, str]) -> tuple[int, int, str]:
-    """``(rank, world_size, master)`` from a torchrun, Slurm or Open MPI environment.
+@dataclasses.dataclass(frozen=True, slots=True)
+class EnvSettings:
+    """What a launcher's environment says about this process's group."""
+
+    rank: int
+    world_size: int
+    master: str
+    host_master: bool | None
+
+
+def env_settings(env: Mapping[str, str]) -> EnvSettings:
+    """Rank, world size and rendezvous from a torchrun, Slurm or Open MPI environment.
+
+    The rendezvous is ``TENSORWIRE_MASTER`` when set, else
+    ``tcp://MASTER_ADDR:MASTER_PORT`` (port 29500 by default). Under torchrun
+    with its agent store (``TORCHELASTIC_USE_AGENT_STORE=True``) torch's own
+    store holds ``MASTER_PORT``, so tensorwire's rank 0 takes the next port.
+    ``TENSORWIRE_MASTER_HOSTED=1`` says a launcher serves the rendezvous
+    (no rank hosts it).
 
     Raises:
         ConfigError: no launcher's variables, or values that are not numbers.
@@ -1127,9 +1145,17 @@ def env_settings(env: Mapping[str, str]) -> tuple[int, int, str]:
         port = int(env.get("MASTER_PORT", "29500"))
     except ValueError as exc:
         raise ConfigError(f"launcher variables must be integers: {exc}") from None
-    host = env.get("MASTER_ADDR")
-    if not host:
-        raise ConfigError(f"{rank_key} is set but MASTER_ADDR (rank 0's host) is not")
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return rank, world_size, f"tcp://{host}:{port}"
+    hosted = env.get("TENSORWIRE_MASTER_HOSTED", "") in ("1", "true", "True")
+    master = env.get("TENSORWIRE_MASTER")
+    if not master:
+        host = env.get("MASTER_ADDR")
+        if not host:
+            raise ConfigError(
+                f"{rank_key} is set but neither TENSORWIRE_MASTER nor MASTER_ADDR "
+                "(rank 0's host) is")
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            port += 1
+        master = f"tcp://{host}:{port}"
+    return EnvSettings(rank, world_size, master, False if hosted else None)

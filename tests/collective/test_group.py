@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tensorwire.collective import Group, GroupConfig, ReduceOp, serve_rendezvous
-from tensorwire.collective.group import env_settings
+from tensorwire.collective.group import EnvSettings, env_settings
 from tensorwire.errors import (
     AlreadyExists,
     CollectiveError,
@@ -199,11 +199,16 @@ async def test_rank_zero_hosts_the_rendezvous_itself() -> None:
 
 def test_environment_of_each_launcher() -> None:
     torchrun = {"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
-    assert env_settings(torchrun) == (3, 8, "tcp://10.0.0.1:1234")
+    assert env_settings(torchrun) == EnvSettings(3, 8, "tcp://10.0.0.1:1234", None)
+    agent = {**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert env_settings(agent).master == "tcp://10.0.0.1:1235"
     slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "MASTER_ADDR": "node1"}
-    assert env_settings(slurm) == (1, 4, "tcp://node1:29500")
+    assert env_settings(slurm) == EnvSettings(1, 4, "tcp://node1:29500", None)
     mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "::1"}
-    assert env_settings(mpi) == (0, 2, "tcp://[::1]:29500")
+    assert env_settings(mpi).master == "tcp://[::1]:29500"
+    launched = {"RANK": "0", "WORLD_SIZE": "2", "TENSORWIRE_MASTER": "tcp://h:7",
+                "TENSORWIRE_MASTER_HOSTED": "1"}
+    assert env_settings(launched) == EnvSettings(0, 2, "tcp://h:7", False)
     with pytest.raises(ConfigError, match="no rank"):
         env_settings({})
     with pytest.raises(ConfigError, match="MASTER_ADDR"):
