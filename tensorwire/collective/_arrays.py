@@ -153,6 +153,9 @@ def _from_cupy(x: Any, original: Any, name: str) -> Flat:
 
     order = _order(x, name)
     flat = x.reshape(-1) if order == "C" else x.ravel(order="F")
+    # The operation reads the array from the host's side of the stream:
+    # what was queued before the call must have finished.
+    cupy.cuda.get_current_stream().synchronize()
     return Flat(flat, cupy, original, tuple(x.shape), order, "cuda")
 
 
@@ -165,6 +168,7 @@ def _from_torch(x: Any, writable: bool, name: str) -> Flat:
     if tensor.is_cuda:
         import cupy
 
+        torch.cuda.current_stream(tensor.device).synchronize()
         return _from_cupy(cupy.asarray(tensor), x, name)
     if tensor.dtype == torch.bfloat16:
         # NumPy has no bfloat16; ml_dtypes gives it arithmetic on the same bytes.
