@@ -34,6 +34,7 @@ class _Entry:
     state: State
     updates: int  # optimizer steps taken (Adam's bias correction)
     acc: Array | None = None  # sync: sum of the step being collected
+    acc_owned: bool = False  # acc is the store's own array (a sum), safe to add into
 
 
 class ShardStore:
@@ -101,7 +102,7 @@ class ShardStore:
         for key in dropped:
             # What was collected belongs to a step the workers finished
             # before this shard lost it.
-            self.entries[key].acc = None
+            self.entries[key].acc, self.entries[key].acc_owned = None, False
         return decision
 
     def push(self, worker: int, clock: int, keys: Sequence[str],
@@ -140,11 +141,17 @@ class ShardStore:
                 self._update(entry, grad, scale)
                 continue
             # The first gradient is kept as it arrived (a view of the receive
-            # buffer, which nothing writes into); sums are new arrays.
-            entry.acc = grad if entry.acc is None else entry.acc + grad
+            # buffer, never written into); the first sum is a new array,
+            # which the next gradients are added into.
+            if entry.acc is None:
+                entry.acc, entry.acc_owned = grad, False
+            elif entry.acc_owned:
+                np.add(entry.acc, grad, out=entry.acc)
+            else:
+                entry.acc, entry.acc_owned = entry.acc + grad, True
             if clocks.record(worker, clock, key):
                 self._update(entry, entry.acc, scale)
-                entry.acc = None
+                entry.acc, entry.acc_owned = None, False
                 clocks.advance(key)
         if changed:
             self.updates += 1
