@@ -68,10 +68,16 @@ async def measure(run: Any, barrier: Any, sizes: list[int], quick: bool) -> list
 def tensorwire_rank(rank: int, world: int, master: str, listen: str, sizes: list[int],
                     quick: bool) -> list[float]:
     from tensorwire.collective import Group, GroupConfig
+    from tensorwire.transports import TransportConfig, UCXOptions
+
+    # More ranks than cores: UCX's poll-after-completion would take the core
+    # the peer needs (UCXOptions.spin).
+    ucx = UCXOptions(spin=0) if world > (os.cpu_count() or 1) else UCXOptions()
+    config = GroupConfig(timeout=600, transport=TransportConfig(ucx=ucx))
 
     async def main() -> list[float]:
         group = await Group.create(rank=rank, world_size=world, master=master, listen=listen,
-                                   host_master=False, config=GroupConfig(timeout=600))
+                                   host_master=False, config=config)
         try:
             return await measure(group.allreduce, group.barrier, sizes, quick)
         finally:
@@ -223,6 +229,8 @@ def write(args: argparse.Namespace, sizes: list[int], table: dict[tuple[str, int
         "- float32 sum allreduce in place; time per operation is the median of 3 timed "
         "batches after a warm-up operation; every process of a variant runs on the same "
         "2 cores, so 4 processes share them two by two.",
+        "- ucx:// runs with `UCXOptions(spin=0)` where the processes outnumber the cores "
+        "(docs/collective.md, \"Performance\"), with UCX's defaults otherwise.",
         "- algbw = bytes / time; busbw = algbw * 2(n-1)/n (nccl-tests' definition); "
         "1 GB/s = 1e9 bytes/s.",
         "",

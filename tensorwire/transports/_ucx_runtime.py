@@ -42,11 +42,6 @@ logger = logging.getLogger(__name__)
 #: A progress pass that ends with the worker still busy (``arm`` refused) is
 #: followed by up to this many more before we yield to the loop.
 _PROGRESS_ROUNDS = 16
-#: After a request completes, keep polling this long (seconds) before the
-#: worker is armed and the loop sleeps: in a ping-pong the answer usually
-#: comes within it, and a poll costs far less than an epoll wake-up. Once
-#: traffic stops, the loop sleeps again, so idle connections stay free.
-_SPIN_S = 200e-6
 #: While requests are in flight, progress at least this often (seconds) even
 #: without an event: a safety net for a transport that signals no event.
 _WATCHDOG_S = 0.5
@@ -136,13 +131,16 @@ def acquire(options: UCXOptions) -> Runtime:
         # The loop that owned it was closed with connections left open.
         runtime.destroy()
         runtime = None
-    if runtime is not None and runtime.progress_mode != options.progress_mode:
+    if runtime is not None and (runtime.progress_mode, runtime.spin) != (
+        options.progress_mode, options.spin
+    ):
         raise ConfigError(
-            f"ucx:// is running in progress mode {runtime.progress_mode!r}; "
-            f"{options.progress_mode!r} was asked while it is in use"
+            f"ucx:// is running in progress mode {runtime.progress_mode!r} with spin "
+            f"{runtime.spin}; {options.progress_mode!r} with spin {options.spin} was asked "
+            "while it is in use"
         )
     if runtime is None:
-        runtime = Runtime(loop, options.progress_mode)
+        runtime = Runtime(loop, options.progress_mode, options.spin)
         _runtime = runtime
     runtime.refs += 1
     return runtime
@@ -151,7 +149,8 @@ def acquire(options: UCXOptions) -> Runtime:
 class Runtime:
     """A UCX context and worker, progressed by an asyncio event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, progress_mode: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, progress_mode: str,
+                 spin: float) -> None:
         self.api = _import_ucxx()
         from ucxx._lib.arr import Array
         from ucxx.types import Tag, TagMaskFull
@@ -161,6 +160,7 @@ class Runtime:
         self.TagMaskFull = TagMaskFull
         self.loop = loop
         self.progress_mode = progress_mode
+        self.spin = spin
         self.refs = 0
         api = self.api
         try:
@@ -278,7 +278,7 @@ class Runtime:
                     return
                 if self._pending and (
                     self.progress_mode == "polling"
-                    or self.loop.time() - self._last_completion < _SPIN_S
+                    or self.loop.time() - self._last_completion < self.spin
                 ):
                     # Polling trades a core for latency while requests wait.
                     break

@@ -51,6 +51,11 @@ class UCXOptions:
 
     ``tls`` and ``devices`` map to ``UCX_TLS`` and ``UCX_NET_DEVICES``;
     ``None`` lets UCX choose. ``rndv_scheme`` maps to ``UCX_RNDV_SCHEME``.
+    ``spin``: in the blocking progress mode, seconds to keep polling after a
+    request completes before the worker sleeps on its wake-up descriptor (in
+    a ping-pong the answer usually comes within it, and a poll costs far
+    less than a wake-up). Set it to 0 on a host with more busy processes
+    than cores: there the spinning takes the core the peer needs.
     ``environment`` passes any other ``UCX_*`` setting. They are applied to
     the process environment once, before ``ucxx`` is first imported, because
     UCX reads them only then; a later, different setting raises ConfigError.
@@ -59,12 +64,15 @@ class UCXOptions:
     tls: tuple[str, ...] | None = None
     devices: tuple[str, ...] | None = None
     progress_mode: ProgressMode = "blocking"
+    spin: float = 200e-6
     rndv_scheme: str | None = "put_zcopy"
     environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
             raise ConfigError(f"unknown UCX progress mode {self.progress_mode!r}")
+        if not isinstance(self.spin, int | float) or not 0 <= self.spin <= 1:
+            raise ConfigError(f"UCXOptions.spin must be 0 to 1 seconds, got {self.spin!r}")
         for key in self.environment:
             if not key.startswith("UCX_"):
                 raise ConfigError(f"UCXOptions.environment keys must start with UCX_, got {key!r}")

@@ -146,6 +146,31 @@ async def test_polling_progress_mode_works() -> None:
         assert np.array_equal(body, data)
 
 
+async def test_spin_free_blocking_mode_works_and_is_fixed_while_in_use() -> None:
+    from tensorwire.transports import _ucx_runtime
+
+    if _ucx_runtime.active_runtime() is not None:
+        pytest.skip("another ucx:// test left the runtime running")
+    config = TransportConfig(ucx=UCXOptions(spin=0))
+    async with (
+        echo_server(config) as listener,
+        await connect(listener.address, config=config) as conn,
+    ):
+        for size in (8, 1 << 20):
+            data = pattern(size)
+            await conn.send([data])
+            (body,) = await conn.recv()
+            assert np.array_equal(body, data)
+        with pytest.raises(ConfigError, match="spin"):
+            await connect(listener.address)  # the default spin differs
+
+
+@pytest.mark.parametrize("spin", [-1, 2, "fast"])
+def test_spin_is_validated(spin: object) -> None:
+    with pytest.raises(ConfigError, match="spin"):
+        UCXOptions(spin=spin)  # type: ignore[arg-type]
+
+
 async def test_runtime_is_gone_after_the_last_connection() -> None:
     from tensorwire.transports import _ucx_runtime
 
