@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import contextlib
+import heapq
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Generator
@@ -105,6 +107,40 @@ class _Session:
         self.loop = asyncio.get_running_loop()
         self.slots = Slots(1, self.loop)
         self.error: TensorwireError | None = None
+        # Deadlines of unary calls: one loop timer for the earliest instead
+        # of one per call (a timer costs several times a heap push). Entries
+        # of calls that ended stay until the heap is compacted.
+        self._deadlines: list[tuple[float, int]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+
+    def watch(self, call_id: int, deadline: float) -> None:
+        """Expire the unary call ``call_id`` at ``deadline`` if it is still pending."""
+        heap = self._deadlines
+        heapq.heappush(heap, (deadline, call_id))
+        if len(heap) > 2 * len(self.pending) + 64:
+            heap[:] = [entry for entry in heap if entry[1] in self.pending]
+            heapq.heapify(heap)
+        if deadline < self._timer_at:
+            self._arm(deadline)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self.loop.call_at(when, self._expire_due)
+
+    def _expire_due(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        heap = self._deadlines
+        now = self.loop.time()
+        while heap and heap[0][0] <= now:
+            _, call_id = heapq.heappop(heap)
+            pending = self.pending.get(call_id)
+            if pending is not None:
+                pending.expire()
+        if heap:
+            self._arm(heap[0][0])
 
     async def open(self) -> None:
         config = self.client.config
@@ -161,6 +197,10 @@ class _Session:
         )
         for pending in list(self.pending.values()):
             pending.fail(lost)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
+        self._deadlines.clear()
 
     async def close(self) -> None:
         if self.channel is not None:
@@ -348,13 +388,13 @@ class Client:
         The request is queued without waiting: the answer cannot come before
         it has gone. A call that ends early (deadline, cancel) may leave its
         request still going out, so its arguments must stay unchanged until
-        then, as with any send cut short. A timer on the loop, not
-        ``asyncio.timeout``: this runs for every call, and the timer costs a
-        fraction of the context manager.
+        then, as with any send cut short. The session's deadline heap, not
+        ``asyncio.timeout``: this runs for every call, and a heap push costs
+        a fraction of the context manager.
         """
         loop = session.loop
         call_id, pending = self._register(session, metrics, streaming=False)
-        timer = loop.call_at(deadline, pending.expire)
+        session.watch(call_id, deadline)
         pump: asyncio.Task[None] | None = None
         try:
             remaining = max(deadline - loop.time(), 0.0)
@@ -369,7 +409,6 @@ class Client:
             self._cancel_remote(session, call_id)
             raise
         finally:
-            timer.cancel()
             session.pending.pop(call_id, None)
             if pump is not None:
                 await _stop(pump)

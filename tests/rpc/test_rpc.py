@@ -570,3 +570,21 @@ async def test_inline_handlers_do_not_share_context_variables(url: str) -> None:
         # The connection and the server are fine after it.
         assert await client.call("Tagged.tag") == "unset"
         assert server.metrics()["Tagged.tag"]["calls"] == 2
+
+
+async def test_deadlines_of_calls_in_flight_expire_each_in_time(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        long = asyncio.create_task(client.call("Store.sleep", 0.3, "long", timeout=5))
+        await asyncio.sleep(0)
+        short = asyncio.create_task(client.call("Store.sleep", 5, "short", timeout=0.1))
+        with pytest.raises(DeadlineExceeded):
+            await short
+        assert loop.time() - started < 0.3  # not held up by the earlier, later deadline
+        assert await long == "long"
+        for _ in range(300):
+            await client.call("Store.echo", 1)
+        # Deadlines of finished calls do not pile up.
+        session = client._session
+        assert session is not None and len(session._deadlines) <= 64 + 2
