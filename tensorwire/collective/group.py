@@ -927,12 +927,13 @@ class Group:
 
     # -- point to point ------------------------------------------------------------
 
-    def _p2p(self, kind: str, peer: int) -> tuple[asyncio.Lock, int]:
+    def _p2p_lock(self, kind: str, peer: int) -> asyncio.Lock:
+        """The lock that keeps one pair's messages in order, one way."""
         key = (kind, peer)
         lock = self._p2p_locks.get(key)
         if lock is None:
             lock = self._p2p_locks[key] = asyncio.Lock()
-        return lock, self._p2p_counts.get(key, 0)
+        return lock
 
     def _check_peer(self, peer: int, name: str) -> None:
         if not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
@@ -955,19 +956,28 @@ class Group:
         self._usable()
         self._check_peer(dst, "dst")
         flat = flatten(x, writable=False)
-        lock, _ = self._p2p("send", dst)
-        async with lock, asyncio.timeout(timeout or self.config.timeout):
-            conn = self._p2p_out.get(dst)
-            if conn is None:
-                conn = await self._runtime.dial(self._members[dst], self.id, "p2p")
-                self._p2p_out[dst] = conn
-            count = self._p2p_counts.get(("send", dst), 0)
-            header = _HEAD.pack(count, tag & 0xFFFF_FFFF) + f"p2p({flat.describe()})".encode()
-            try:
-                await conn.send([header, flat.frame(flat.array)])
-            except ConnectionClosedError as exc:
-                raise await self._lost(dst, exc) from exc
-            self._p2p_counts[("send", dst)] = count + 1
+        limit = timeout or self.config.timeout
+        try:
+            async with self._p2p_lock("send", dst), asyncio.timeout(limit):
+                conn = self._p2p_out.get(dst)
+                if conn is None:
+                    try:
+                        conn = await self._runtime.dial(self._members[dst], self.id, "p2p")
+                    except TransportError as exc:
+                        raise RankFailedError(f"group {self.id}: cannot reach rank {dst}: {exc}",
+                                              ranks=(dst,)) from exc
+                    self._p2p_out[dst] = conn
+                count = self._p2p_counts.get(("send", dst), 0)
+                header = _HEAD.pack(count, tag & 0xFFFF_FFFF) + f"p2p({flat.describe()})".encode()
+                try:
+                    await conn.send([header, flat.frame(flat.array)])
+                except ConnectionClosedError as exc:
+                    raise await self._lost(dst, exc) from exc
+                self._p2p_counts[("send", dst)] = count + 1
+        except TimeoutError:
+            raise CollectiveTimeout(
+                f"group {self.id}: rank {dst} did not take the message (tag {tag}) within "
+                f"{limit} s", ranks=(dst,)) from None
 
     async def recv(self, out: Any, src: int, *, tag: int = 0,
                    timeout: float | None = None) -> Any:
@@ -981,10 +991,9 @@ class Group:
         self._usable()
         self._check_peer(src, "src")
         flat = flatten(out, name="out")
-        lock, _ = self._p2p("recv", src)
         limit = timeout or self.config.timeout
         try:
-            async with lock, asyncio.timeout(limit):
+            async with self._p2p_lock("recv", src), asyncio.timeout(limit):
                 conn = self._p2p_in.get(src)
                 if conn is None:
                     conn = await self._runtime.incoming(self.id, self._members[src], "p2p")

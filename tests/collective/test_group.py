@@ -17,8 +17,10 @@ from tensorwire.collective.group import EnvSettings, env_settings
 from tensorwire.errors import (
     AlreadyExists,
     CollectiveError,
+    CollectiveTimeout,
     ConfigError,
     InvalidArgument,
+    MismatchError,
     TensorwireError,
 )
 
@@ -132,6 +134,22 @@ async def test_bad_arguments_are_refused_before_anything_is_sent(trio: list[Grou
     xs = [np.ones(3) for _ in trio]
     await asyncio.gather(*(g.allreduce(x) for g, x in zip(trio, xs, strict=True)))
     assert all((x == 3).all() for x in xs)
+
+
+async def test_point_to_point_checks_tags_and_deadlines(trio: list[Group]) -> None:
+    a, b, _ = trio
+    out = np.empty(4)
+    with pytest.raises(CollectiveTimeout, match="nothing from rank 0") as timed_out:
+        await b.recv(out, 0, timeout=0.3)
+    assert timed_out.value.ranks == (0,)
+    await a.send(np.arange(4.0), 1, tag=5)
+    with pytest.raises(MismatchError, match="tag 5") as mismatch:
+        await b.recv(out, 0, tag=6)
+    assert mismatch.value.ranks == (0,)
+    # The pair carries on with the next message.
+    await a.send(np.arange(4.0) + 1, 1, tag=7)
+    assert await b.recv(out, 0, tag=7) is out
+    np.testing.assert_array_equal(out, np.arange(4.0) + 1)
 
 
 async def test_cancelling_the_wait_does_not_withdraw_the_operation(trio: list[Group]) -> None:
