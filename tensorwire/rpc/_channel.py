@@ -220,19 +220,32 @@ class Channel:
     async def _read_loop(self) -> None:
         conn = self.conn
         try:
+            # Where the transport can, it calls _deliver itself as messages
+            # complete (no task wake-up per message); recv() then only
+            # raises when the connection ends.
+            conn.deliver_to(self._deliver)
             while True:
-                frames = await conn.recv()
-                self._last_seen = self._loop.time()
-                message = protocol.parse(frames)
-                self._on_message(message, frames_nbytes(frames))
+                self._deliver(await conn.recv())
         except asyncio.CancelledError:
             raise
         except TensorwireError as exc:
             if not isinstance(exc, ConnectionClosedError):
                 logger.warning("closing connection to %s: %s", conn.peer_address, exc)
             self.close_with(exc)
+
+    def _deliver(self, frames: list[Any]) -> None:
+        """Parse one received message and hand it to the session."""
+        if self.error is not None:
+            return
+        self._last_seen = self._loop.time()
+        try:
+            message = protocol.parse(frames)
+            self._on_message(message, frames_nbytes(frames))
+        except TensorwireError as exc:
+            logger.warning("closing connection to %s: %s", self.conn.peer_address, exc)
+            self.close_with(exc)
         except Exception as exc:
-            logger.exception("RPC session on %s failed", conn.peer_address)
+            logger.exception("RPC session on %s failed", self.conn.peer_address)
             self.close_with(TransportError(f"RPC session failed: {exc!r}"))
 
     async def _watchdog(self) -> None:

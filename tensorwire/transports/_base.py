@@ -365,6 +365,20 @@ class Connection(abc.ABC):
             raise ConnectionClosedError(f"connection to {self.peer_address} is closed")
         return start_eagerly(self.send_many(messages))
 
+    def deliver_to(self, receiver: Callable[[list[Any]], None]) -> bool:
+        """Hand every later message to ``receiver`` (called on the event
+        loop, allocated with the connection's allocator) instead of to
+        ``recv()``, whose callers then only learn how the connection ended.
+        Messages already received go to ``receiver`` first. This saves a
+        task wake-up per message for a consumer that takes everything at
+        once; it gives up pushing back on the sender.
+
+        Returns False when the transport does not deliver this way (then
+        keep calling ``recv()``). An exception ``receiver`` raises aborts
+        the connection.
+        """
+        return False
+
     @abc.abstractmethod
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
         """Receive the next message as a list of frames.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ConnectionClosedError, TensorwireError, TransportError
@@ -104,6 +104,8 @@ class StreamConnection(Connection):
         # Whether the last recv() took the connection's allocator: only then
         # are small messages allocated ahead of the next recv().
         self._read_ahead = self._allocator is default_allocator
+        # Set by deliver_to(): messages go there instead of to recv().
+        self._receiver: Callable[[list[Any]], None] | None = None
         # The rest of a message whose sender was cancelled mid-write.
         self._tail: asyncio.Task[None] | None = None
 
@@ -169,6 +171,24 @@ class StreamConnection(Connection):
             raise self._closed_error()
         self._read_ahead = allocator is None and self._allocator is default_allocator
         return await queue.wait(allocator, self._kick)
+
+    def deliver_to(self, receiver: Callable[[list[Any]], None]) -> bool:
+        self._receiver = receiver
+        ready = self._queue.ready
+        while ready and self._error is None:
+            self._hand_over(receiver, ready.popleft())
+        if self._error is None:
+            self._kick()
+        return True
+
+    def _hand_over(self, receiver: Callable[[list[Any]], None], message: list[Any]) -> None:
+        try:
+            receiver(message)
+        except Exception as exc:
+            logger.exception("receiver of %s failed", self._peer_address)
+            error = TransportError(f"message receiver failed: {exc!r}")
+            error.__cause__ = exc
+            self._fail(error)
 
     def _kick(self) -> None:
         if self._pump():
@@ -271,9 +291,19 @@ class StreamConnection(Connection):
                         ConnectionClosedError(f"connection closed by the peer {self._peer_address}")
                     )
                     return False
-                self._queue.deliver(event)
+                receiver = self._receiver
+                if receiver is None:
+                    self._queue.deliver(event)
+                    continue
+                self._hand_over(receiver, event)
+                if self._error is not None:
+                    return False
             if reader.frames_announced is None:
                 return self._error is None
+            if self._receiver is not None:
+                if not self._allocate(self._allocator):
+                    return False
+                continue
             if not self._queue.waiters:
                 if (
                     self._read_ahead
@@ -286,17 +316,23 @@ class StreamConnection(Connection):
                     continue
                 return False
             waiter, allocator = self._queue.waiters[0]
-            try:
-                reader.allocate(allocator or self._allocator)
-            except TensorwireError as exc:
-                self._fail(exc)
-                return False
-            except Exception as exc:
-                error = TransportError(f"receive allocator failed: {exc!r}")
-                error.__cause__ = exc
-                self._fail(error)
+            if not self._allocate(allocator or self._allocator):
                 return False
             self._queue.bind(waiter)
+
+    def _allocate(self, allocator: Allocator) -> bool:
+        """Allocate the announced message; False: that failed the connection."""
+        try:
+            self._reader.allocate(allocator)
+        except TensorwireError as exc:
+            self._fail(exc)
+            return False
+        except Exception as exc:
+            error = TransportError(f"receive allocator failed: {exc!r}")
+            error.__cause__ = exc
+            self._fail(error)
+            return False
+        return True
 
     async def _send_buffers(self, buffers: list[Any]) -> None:
         count, first = len(buffers), buffers[0] if buffers else None

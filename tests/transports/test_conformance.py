@@ -518,3 +518,37 @@ async def test_small_messages_read_ahead_keep_order_and_a_big_one_gets_its_alloc
         (frame,) = await asyncio.wait_for(conn.recv(allocator=lambda info: target), 30)
         assert frame is target
         assert np.array_equal(target, pattern(1 << 20))
+
+
+async def test_deliver_to_hands_over_every_message_in_order(listen_url: str) -> None:
+    got: list[bytes] = []
+    done = asyncio.Event()
+
+    def receive(frames: list[Any]) -> None:
+        got.append(as_bytes(frames[0]))
+        if len(got) == 60:
+            done.set()
+
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        for i in range(20):
+            await conn.send([f"a{i}".encode()])
+        await asyncio.sleep(0.05)  # some echoes are already queued for recv()
+        if not conn.deliver_to(receive):
+            pytest.skip("this transport delivers through recv() only")
+        await conn.send_many([[f"b{i}".encode()] for i in range(20)])
+        await conn.send_many([[f"c{i}".encode(), pattern(100_000, i)] for i in range(20)])
+        await asyncio.wait_for(done.wait(), 30)
+    assert got == [f"{k}{i}".encode() for k in "abc" for i in range(20)]
+
+
+async def test_a_failing_receiver_aborts_the_connection(listen_url: str) -> None:
+    def receive(frames: list[Any]) -> None:
+        raise RuntimeError("receiver bug")
+
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        if not conn.deliver_to(receive):
+            pytest.skip("this transport delivers through recv() only")
+        await conn.send([b"x"])
+        with pytest.raises(TransportError, match="receiver bug"):
+            await asyncio.wait_for(conn.recv(), 30)
+        assert conn.closed
