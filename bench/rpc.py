@@ -20,6 +20,10 @@ after a warm-up). Receivers allocate a fresh buffer per message everywhere
     python bench/rpc.py                  # writes bench/results/rpc.md (3 rounds, ~3.5 min)
     python bench/rpc.py --quick          # one round of shorter runs (~40 s)
     python bench/rpc.py --profile DIR    # cProfile the 64-in-flight tcp:// case
+    python bench/rpc.py --pin            # server and client on fixed, different CPUs
+
+``--pin`` puts every server and client on two fixed, different CPUs (see
+``placement``); by default the OS places them.
 """
 
 from __future__ import annotations
@@ -139,7 +143,30 @@ def _wait_stop(stop: Any) -> Awaitable[Any]:
 # --- servers -----------------------------------------------------------------
 
 
-def server_main(ready: Any, stop: Any, variant: Variant, profile: str | None) -> None:
+def _pin(cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+def placement(pin: bool) -> tuple[int | None, int | None]:
+    """The CPUs for the server and the client process (None: the OS decides).
+
+    On this 2-vCPU host a process pair left to the scheduler sometimes
+    shares one vCPU and sometimes not, and large echoes run about twice as
+    fast when it does (cache-hot loopback copies): the same code measured
+    about 2 or 4 GB/s at 1 MiB from one process pair to the next. Pinning
+    the server and the client to two different CPUs gives every variant
+    the same placement.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return None, None
+    return cpus[0], cpus[1]
+
+
+def server_main(ready: Any, stop: Any, variant: Variant, profile: str | None,
+                cpu: int | None = None) -> None:
+    _pin(cpu)
     serve = {"rpc": _rpc_server, "raw": _raw_server, "grpc": _grpc_server}[variant.kind]
     with _Profile(profile):
         _run_loop(variant.kind, lambda: serve(ready, stop, variant))
@@ -362,7 +389,8 @@ async def _measure(caller: _Caller, variant: Variant, plan: Plan,
 
 
 def client_main(done: Any, address: str, variant: Variant, plan: Plan,
-                profile: str | None, only_cps64: bool) -> None:
+                profile: str | None, only_cps64: bool, cpu: int | None = None) -> None:
+    _pin(cpu)
     cls = {"rpc": _RPCCaller, "raw": _RawCaller, "grpc": _GRPCCaller}[variant.kind]
 
     async def main() -> dict[str, Any]:
@@ -384,13 +412,16 @@ def client_main(done: Any, address: str, variant: Variant, plan: Plan,
 
 
 def run_variant(variant: Variant, plan: Plan, timeout: float, *,
-                profile_dir: Path | None = None, only_cps64: bool = False) -> dict[str, Any] | str:
+                profile_dir: Path | None = None, only_cps64: bool = False,
+                pin: bool = False) -> dict[str, Any] | str:
     """The client's results, or why the variant did not run."""
     ctx = mp.get_context("spawn")
     ready, stop, done = ctx.Queue(), ctx.Queue(), ctx.Queue()
     srv_prof = str(profile_dir / "server.prof") if profile_dir else None
     cli_prof = str(profile_dir / "client.prof") if profile_dir else None
-    srv = ctx.Process(target=server_main, args=(ready, stop, variant, srv_prof), daemon=True)
+    srv_cpu, cli_cpu = placement(pin)
+    srv = ctx.Process(target=server_main, args=(ready, stop, variant, srv_prof, srv_cpu),
+                      daemon=True)
     srv.start()
     cli = None
     try:
@@ -400,7 +431,8 @@ def run_variant(variant: Variant, plan: Plan, timeout: float, *,
             return "the server did not start within 60 s" + (
                 f" (exit code {srv.exitcode})" if srv.exitcode is not None else "")
         cli = ctx.Process(target=client_main,
-                          args=(done, address, variant, plan, cli_prof, only_cps64), daemon=True)
+                          args=(done, address, variant, plan, cli_prof, only_cps64, cli_cpu),
+                          daemon=True)
         cli.start()
         try:
             _status, value = done.get(timeout=timeout)
@@ -496,6 +528,20 @@ def _revision() -> str:
     return f"{head} + uncommitted changes to {', '.join(changed)}"
 
 
+def _placement_note(pin: bool) -> str:
+    server, client = placement(pin)
+    if server is None:
+        return ("- Process placement: left to the OS. On this 2-vCPU host a pair that shares "
+                "one vCPU moves large echoes about twice as fast as a pair on two (1 MiB: "
+                "about 4 against 2 GB/s for the raw transport, the same code), so each "
+                "bandwidth figure depends on where its pair landed; see the spread table. "
+                "`--pin` puts every server and client on fixed, different CPUs.")
+    return (f"- Process placement (`--pin`): every server on CPU {server}, every client on "
+            f"CPU {client}, so that all variants run alike (left to the OS, a pair sharing "
+            "one vCPU moved large echoes about twice as fast as a pair on two). Pinned "
+            "processes cannot move away from other work on their CPU.")
+
+
 def _load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -562,7 +608,8 @@ def targets(rows: dict[str, dict[str, Any] | str], sizes: tuple[int, ...]) -> li
 
 def write_results(path: Path, plan: Plan, rows: dict[str, dict[str, Any] | str],
                   command: str, elapsed: float, load_before: str,
-                  runs: dict[str, list[dict[str, Any] | str]] | None = None) -> None:
+                  runs: dict[str, list[dict[str, Any] | str]] | None = None, *,
+                  pin: bool = False) -> None:
     names = list(rows)
 
     def cell(name: str, text: str) -> str:
@@ -575,7 +622,8 @@ def write_results(path: Path, plan: Plan, rows: dict[str, dict[str, Any] | str],
            "other work on this shared 2-core host adds noise, most to the large echoes.",
            "- tensorwire variants run uvloop in both processes; grpc.aio runs asyncio's "
            "default loop. ucx:// uses UCX's default settings (`UCXOptions()`).",
-           "- Each variant: one server process, one client process, one connection.", ""]
+           "- Each variant: one server process, one client process, one connection.",
+           _placement_note(pin), ""]
     out += ["## Tiny unary call", "",
             f"Echo of a small value (RPC: the int {TINY}; raw transport and gRPC: 8 bytes). "
             f"Latency over {plan.latency_calls:,} calls after {plan.warmup_calls} warm-up "
@@ -629,14 +677,14 @@ def write_results(path: Path, plan: Plan, rows: dict[str, dict[str, Any] | str],
     print(f"wrote {path}", file=sys.stderr)
 
 
-def profile(directory: Path, plan: Plan, *, cprofile: bool = True) -> None:
+def profile(directory: Path, plan: Plan, *, cprofile: bool = True, pin: bool = False) -> None:
     """cProfile the 64-in-flight tcp:// RPC case in both processes; print the top."""
     import pstats
 
     directory.mkdir(parents=True, exist_ok=True)
     variant = VARIANTS[0]
     result = run_variant(variant, plan, timeout=300, profile_dir=directory if cprofile else None,
-                         only_cps64=True)
+                         only_cps64=True, pin=pin)
     how = "under cProfile" if cprofile else "unprofiled"
     print(f"{variant.name}, {CONCURRENCY} in flight {how}: {result}", file=sys.stderr)
     if not cprofile:
@@ -657,6 +705,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help="run every variant this many times, round-robin, and report the "
                              "median of each number (default 3, with --quick 1)")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin every server to the first allowed CPU and every client to "
+                             "the second (default: the OS places them)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="only cProfile tensorwire RPC over tcp:// with 64 calls in flight, "
@@ -667,7 +718,7 @@ def main() -> None:
     args = parser.parse_args()
     plan = Plan.quick() if args.quick else Plan()
     if args.profile is not None:
-        profile(args.profile, plan, cprofile=args.profiler == "cprofile")
+        profile(args.profile, plan, cprofile=args.profiler == "cprofile", pin=args.pin)
         return
     rounds = max(1, args.rounds if args.rounds is not None else (1 if args.quick else 3))
     started, load_before = time.perf_counter(), _load()
@@ -677,12 +728,12 @@ def main() -> None:
             if args.no_ucx and variant.url.startswith("ucx://"):
                 continue
             print(f"round {round_ + 1}/{rounds}: {variant.name} ...", file=sys.stderr)
-            result = run_variant(variant, plan, timeout=240)
+            result = run_variant(variant, plan, timeout=240, pin=args.pin)
             runs.setdefault(variant.name, []).append(result)
             print(f"  {result}", file=sys.stderr)
     rows = {name: combine(results) for name, results in runs.items()}
     write_results(args.output, plan, rows, " ".join(["python", *sys.argv]),
-                  time.perf_counter() - started, load_before, runs)
+                  time.perf_counter() - started, load_before, runs, pin=args.pin)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,12 @@ def method(
     parameter may receive an async iterator: the caller passes an async
     iterable there and its items stream to the server.
 
+    The server runs each call in a task of its own, except a unary method
+    whose body has no ``await``, ``async with`` or ``async for``: that one
+    cannot be suspended, deadlined or cancelled half-way, so it runs at
+    once where its request is read, in a copy of the context, without a
+    task (``asyncio.current_task()`` there is not the call's own).
+
     Raises:
         ConfigError: the function is neither a coroutine function nor an
             async generator function.
