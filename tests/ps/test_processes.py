@@ -102,7 +102,7 @@ async def test_async_workers_do_not_wait_for_a_slow_one(
     steps = 12
     async with shards("tcp://127.0.0.1:0") as addresses:
         seen = await run_workers(pool, w.count, *(
-            (addresses, rank, WORKERS, steps, "async", 0, 0.2 if rank == 2 else 0.0)
+            (addresses, rank, WORKERS, steps, "async", 0, 0.25 if rank == 2 else 0.0)
             for rank in range(WORKERS)))
     for rank in (0, 1):
         assert seen[rank][-1][rank] == steps
