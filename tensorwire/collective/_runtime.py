@@ -134,14 +134,19 @@ class Coordinator(rpc.Service):
 class RendezvousServer(rpc.Server):
     """An RPC server hosting a group's :class:`Coordinator`."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        super().__init__([coordinator])
+    def __init__(self, coordinator: Coordinator, config: GroupConfig) -> None:
+        super().__init__([coordinator], config=rpc.ServerConfig(
+            heartbeat_timeout=config.heartbeat_timeout, transport=config.transport))
         self.coordinator = coordinator
 
 
-async def serve_rendezvous(url: str, world_size: int) -> tuple[RendezvousServer, str]:
+async def serve_rendezvous(url: str, world_size: int, *,
+                           config: GroupConfig | None = None) -> tuple[RendezvousServer, str]:
     """Serve a group's rendezvous on ``url`` (``tcp://host:0`` takes a free
     port); returns the server and its real address.
+
+    A rank silent for ``config.heartbeat_timeout`` is reported dead to the
+    others; give it the same config as the ranks.
 
     Rank 0 does this itself unless the group is told its master is hosted
     elsewhere: by a launcher, or by a test that needs to know the port
@@ -157,7 +162,7 @@ async def serve_rendezvous(url: str, world_size: int) -> tuple[RendezvousServer,
     if scheme != "tcp":
         raise ConfigError(f"the rendezvous address must be tcp://host:port, got {url!r}")
     parse_host_port(rest, "tcp")
-    server = RendezvousServer(Coordinator(world_size))
+    server = RendezvousServer(Coordinator(world_size), config or GroupConfig())
     (address,) = await server.start(url)
     return server, address
 
@@ -237,7 +242,8 @@ class Runtime:
             port = parse_host_port(data_address.partition("://")[2], scheme)[1]
             data_address = format_host_port(scheme, host, port)
         if host_master:
-            self._master, master = await serve_rendezvous(master, self.world_size)
+            self._master, master = await serve_rendezvous(master, self.world_size,
+                                                          config=self.config)
             self.coordinator = self._master.coordinator
         self._server = rpc.Server([Member(self._member_status)])
         await self._server.start(format_host_port("tcp", host, 0))

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,9 @@ import numpy as np
 from tensorwire.collective import Group, GroupConfig, ReduceOp
 from tensorwire.errors import CollectiveError
 
+#: Small thresholds so that modest sizes exercise every algorithm; quick liveness.
+CONFIG = GroupConfig(timeout=60, rendezvous_timeout=60, small_bytes=16 << 10,
+                     segment_bytes=256 << 10, heartbeat_interval=0.5, heartbeat_timeout=3)
 SIZES = (0, 1, 1009, 3 * (1 << 20) // 4 + 3)  # empty, one, a prime, ~3 MiB of float32
 DTYPES = ("int32", "int64", "float32", "float64")
 REDUCTIONS = {
@@ -227,6 +231,24 @@ async def dies(group: Group) -> None:
                seconds=loop.time() - started)
 
 
+async def until_failure(group: Group) -> None:
+    """Allreduce until something fails (bounded: 400 operations or 30 s)."""
+    loop = asyncio.get_running_loop()
+    report(rank=group.rank, started=True)
+    deadline = loop.time() + 30
+    x = np.ones(1 << 18, np.float32)
+    done = 0
+    try:
+        while done < 400 and loop.time() < deadline:
+            await group.allreduce(x, timeout=20)
+            x[:] = 1
+            done += 1
+            await asyncio.sleep(0.05)
+    except CollectiveError as exc:
+        report(rank=group.rank, error=type(exc).__name__, ranks=list(exc.ranks),
+               text=str(exc), at=time.time(), done=done)
+
+
 SCENARIOS: dict[str, Callable[[Group], Any]] = {
     "ops": ops,
     "torch": torch_ops,
@@ -234,6 +256,7 @@ SCENARIOS: dict[str, Callable[[Group], Any]] = {
     "mismatch": mismatch,
     "deadline": deadline,
     "dies": dies,
+    "until_failure": until_failure,
 }
 
 
@@ -241,10 +264,8 @@ async def main(scenario: str, rank: int, world: int, master: str, listen: str) -
     if scenario == "torch":
         # Importing torch blocks the event loop for seconds: not while heartbeats run.
         import torch  # noqa: F401
-    config = GroupConfig(timeout=60, rendezvous_timeout=60, small_bytes=16 << 10,
-                         segment_bytes=256 << 10, heartbeat_interval=0.5, heartbeat_timeout=3)
     group = await Group.create(rank=rank, world_size=world, master=master, listen=listen,
-                               host_master=False, config=config)
+                               host_master=False, config=CONFIG)
     try:
         await SCENARIOS[scenario](group)
     finally:
