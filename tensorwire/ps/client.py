@@ -152,6 +152,7 @@ class PSClient:
         self._last_push: dict[int, tuple[Any, ...]] = {}
         #: Per batch: the clock of this worker's latest read of its chunks.
         self._seen: list[int] = []
+        self._closed = False
 
     # -- lifetime -------------------------------------------------------------------
 
@@ -165,7 +166,9 @@ class PSClient:
         return self
 
     async def close(self) -> None:
-        """Close the shard connections (the shards keep their state)."""
+        """Close the shard connections (the shards keep their state); calls in
+        flight fail with ``Unavailable``."""
+        self._closed = True
         await asyncio.gather(*(client.close() for client in self._clients),
                              return_exceptions=True)
 
@@ -360,7 +363,7 @@ class PSClient:
                 result = await client.call(_SHARD + method, *args, timeout=timeout,
                                            idempotent=True)
             except Unavailable as exc:
-                if loop.time() + pause > give_up:
+                if self._closed or loop.time() + pause > give_up:
                     raise
                 logger.warning("shard %d (%s) unavailable (%s); retrying", shard,
                                client.address, exc)

@@ -20,6 +20,7 @@ from tensorwire.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    Unavailable,
 )
 
 URLS = ["tcp://127.0.0.1:0", "inproc://ps-test*"]
@@ -320,3 +321,20 @@ def test_sync_client_from_plain_threads() -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+async def test_close_fails_a_waiting_call_at_once() -> None:
+    async with shards(1) as servers:
+        clients = await workers(servers, 2)
+        await asyncio.gather(*(c.init(model()) for c in clients))
+        await clients[0].push(ones(1.0))
+        waiting = clients[0].pull()
+        done, _ = await asyncio.wait({waiting}, timeout=0.2)
+        assert not done  # it waits on the shard for worker 1's push
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await clients[0].close()
+        with pytest.raises(Unavailable):
+            await waiting
+        assert loop.time() - started < 5
+        await clients[1].close()
