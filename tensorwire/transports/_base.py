@@ -315,11 +315,14 @@ class Connection(abc.ABC):
 
     @property
     def last_activity(self) -> float | None:
-        """Event-loop time at which bytes last arrived, even mid-message.
+        """Event-loop time at which the peer last showed progress, even mid-message.
 
         Liveness checks use it so that a peer in the middle of a long
-        transfer is not mistaken for a silent one. ``None`` where the
-        transport cannot tell (then only whole messages count).
+        transfer is not mistaken for a silent one. Progress is a whole
+        message or a sizeable piece of one (a frame, or 64 KiB on a byte
+        stream), not a byte: a peer that trickles a message byte by byte
+        (a slow-loris) shows none. ``None`` where the transport cannot tell
+        (then only whole messages count).
         """
         return None
 

@@ -31,6 +31,11 @@ __all__ = ("StreamConnection", "outgoing")
 
 logger = logging.getLogger(__name__)
 
+#: Mid-message bytes show the peer alive (``last_activity``) only this many
+#: at a time: any useful transfer rate passes a quantum every fraction of a
+#: second, a peer trickling bytes to hold the connection open never does.
+LIVENESS_QUANTUM = 64 * 1024
+
 #: Small messages that arrived whole are handed to the queue of received
 #: messages even before a recv() asks for them, up to this many: a burst of
 #: small messages from one read then costs the consumer no wake-up and the
@@ -101,6 +106,7 @@ class StreamConnection(Connection):
         self._error: TensorwireError | None = None
         self._closing = False
         self._last_activity: float | None = None
+        self._unseen_bytes = 0
         # Whether the last recv() took the connection's allocator: only then
         # are small messages allocated ahead of the next recv().
         self._read_ahead = self._allocator is default_allocator
@@ -189,6 +195,13 @@ class StreamConnection(Connection):
             error = TransportError(f"message receiver failed: {exc!r}")
             error.__cause__ = exc
             self._fail(error)
+
+    def _note_progress(self, nbytes: int) -> None:
+        """``nbytes`` more arrived (and were parsed): update ``last_activity``."""
+        self._unseen_bytes += nbytes
+        if self._reader.events or self._unseen_bytes >= LIVENESS_QUANTUM:
+            self._unseen_bytes = 0
+            self._last_activity = self._loop.time()
 
     def _kick(self) -> None:
         if self._pump():

@@ -124,13 +124,13 @@ class SocketConnection(StreamConnection):
             if n == 0:
                 self._on_eof()
                 return
-            self._last_activity = self._loop.time()
             try:
                 reader.buffer_updated(n)
             except TensorwireError as exc:
                 logger.warning("dropping connection from %s: %s", self.peer_address, exc)
                 self._fail(exc)
                 return
+            self._note_progress(n)
             if n < len(buffer):
                 # The socket is most likely drained; skip the recv() that
                 # would only say EAGAIN.
@@ -238,13 +238,13 @@ class TLSConnection(StreamConnection, asyncio.BufferedProtocol):
         return self._reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._last_activity = self._loop.time()
         try:
             self._reader.buffer_updated(nbytes)
         except TensorwireError as exc:
             logger.warning("dropping connection from %s: %s", self.peer_address, exc)
             self._fail(exc)
             return
+        self._note_progress(nbytes)
         if not self._after_read() and self._transport is not None and self._reading:
             self._transport.pause_reading()
             self._reading = False
