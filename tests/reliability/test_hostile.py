@@ -11,12 +11,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,40 +24,9 @@ from tensorwire import serde
 from tensorwire.errors import TensorwireError
 from tensorwire.rpc import ClientConfig, SyncClient, protocol
 
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import Server
+
 HANDSHAKE = b"TWIR\x01\x00\x00\x00"
-
-
-class Server:
-    def __init__(self, child: subprocess.Popen[str], address: str) -> None:
-        self.child = child
-        self.address = address
-        host, port = address.removeprefix("tcp://").rsplit(":", 1)
-        self.host_port = (host, int(port))
-
-    def rss(self) -> int:
-        """Resident memory of the server process, in bytes."""
-        status = Path(f"/proc/{self.child.pid}/status").read_text()
-        (line,) = [x for x in status.splitlines() if x.startswith("VmRSS:")]
-        return int(line.split()[1]) * 1024
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    child = subprocess.Popen([sys.executable, "-m", "tests.reliability._server"], cwd=ROOT,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None
-        yield Server(child, child.stdout.readline().strip())
-    finally:
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.close()
-        try:
-            child.wait(10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        child.stdout.close()
 
 
 def message(frames: list[bytes]) -> bytes:

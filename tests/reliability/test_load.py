@@ -1,0 +1,54 @@
+"""Load on a real RPC server process: many clients, many calls in flight.
+
+Bounded in count; every answer is checked, and the server's resident memory
+must not grow with the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import tensorwire as tw
+from tensorwire.rpc import ClientConfig
+
+from .conftest import Server
+
+CONFIG = ClientConfig(timeout=120, heartbeat_interval=2, heartbeat_timeout=30)
+
+
+@pytest.mark.slow
+async def test_200_clients_making_1000_calls_each(server: Server) -> None:
+    clients = [tw.connect(server.address, config=CONFIG) for _ in range(200)]
+    await asyncio.gather(*(client.connect() for client in clients))
+    before = server.rss()
+
+    async def work(index: int, client: tw.Client) -> int:
+        wrong = 0
+        for call in range(1000):
+            value = index * 1000 + call
+            if await client.call("Store.echo", value) != value:
+                wrong += 1
+        return wrong
+
+    try:
+        wrong = await asyncio.wait_for(
+            asyncio.gather(*(work(i, c) for i, c in enumerate(clients))), 110)
+    finally:
+        await asyncio.gather(*(client.close() for client in clients))
+    assert sum(wrong) == 0
+    # 200 sessions' worth of buffers, not 200,000 calls' worth.
+    assert server.rss() - before < 64 << 20, (before, server.rss())
+
+
+@pytest.mark.slow
+async def test_10000_calls_in_flight_on_one_connection(server: Server) -> None:
+    async with tw.connect(server.address, config=CONFIG) as client:
+        before = server.rss()
+        for _ in range(2):
+            results = await asyncio.gather(*(client.call("Store.echo", i) for i in range(10_000)))
+            assert results == list(range(10_000))
+        # The server runs at most 256 of them at once (max_concurrent_per_connection);
+        # the rest wait on the client, not in the server's memory.
+        assert server.rss() - before < 64 << 20, (before, server.rss())
