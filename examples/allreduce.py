@@ -8,7 +8,7 @@ Each rank fits a linear model on its own shard of a synthetic data set and
 averages its gradient with the others' (``allreduce``, ``ReduceOp.AVG``)
 every step, so all ranks hold the same weights; rank 0's initial weights are
 broadcast first. Without a launcher's environment the script starts the ranks
-itself and serves their rendezvous.
+itself with ``collective.launch`` (what ``tensorwire launch`` runs).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from tensorwire.collective import Group, ReduceOp, serve_rendezvous
+from tensorwire.collective import Group, ReduceOp, launch
 
 FEATURES, SAMPLES, STEPS = 32, 4096, 60
 
@@ -54,21 +54,6 @@ async def train() -> None:
     await group.close()
 
 
-async def launch(processes: int, listen: str) -> int:
-    """Start the ranks with a torchrun-style environment; serve their rendezvous."""
-    server, master = await serve_rendezvous("tcp://127.0.0.1:0", processes)
-    env = {**os.environ, "WORLD_SIZE": str(processes), "TENSORWIRE_MASTER": master,
-           "TENSORWIRE_MASTER_HOSTED": "1", "TENSORWIRE_LISTEN": listen}
-    children = [
-        await asyncio.create_subprocess_exec(sys.executable, __file__,
-                                             env={**env, "RANK": str(rank)})
-        for rank in range(processes)
-    ]
-    codes = await asyncio.gather(*(child.wait() for child in children))
-    await server.close()
-    return max(codes, key=abs)
-
-
 def main() -> None:
     if any(key in os.environ for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")):
         asyncio.run(train())
@@ -78,7 +63,8 @@ def main() -> None:
     parser.add_argument("--listen", default="tcp://127.0.0.1:0",
                         help="where each rank takes data connections (tcp:// or ucx://)")
     args = parser.parse_args()
-    sys.exit(asyncio.run(launch(args.n, args.listen)))
+    result = asyncio.run(launch([sys.executable, __file__], args.n, listen=args.listen))
+    sys.exit(result.exit_code)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from ._arrays import ReduceOp
 from ._runtime import RendezvousServer, serve_rendezvous
 from .config import GroupConfig
 from .group import Algorithm, Group
+from .launcher import LaunchResult, launch
 
-__all__ = ("Algorithm", "Group", "GroupConfig", "ReduceOp", "RendezvousServer",
-           "serve_rendezvous")
+__all__ = ("Algorithm", "Group", "GroupConfig", "LaunchResult", "ReduceOp", "RendezvousServer",
+           "launch", "serve_rendezvous")

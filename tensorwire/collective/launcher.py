@@ -1,0 +1,171 @@
+"""Start N local processes as the ranks of one group (what ``tensorwire launch`` runs).
+
+Like torchrun on one host: each child gets the environment
+:meth:`Group.from_env` reads (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, and ``TENSORWIRE_MASTER`` pointing at a rendezvous
+this launcher serves), its output lines are prefixed with its rank, SIGINT
+and SIGTERM are passed on to every child, and when one child fails the
+others are stopped at once, so a broken job never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+from ..errors import ConfigError
+from ._runtime import serve_rendezvous
+from .config import GroupConfig
+
+__all__ = ("LaunchResult", "launch")
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchResult:
+    """How the ranks ended.
+
+    Attributes:
+        returncodes: each rank's exit status (negative: killed by that signal).
+        failed_rank: the first rank seen to fail, or ``None``. When one rank's
+            failure makes the others fail within moments, which is seen first
+            is a matter of timing: the launcher prints every failed rank.
+    """
+
+    returncodes: tuple[int, ...]
+    failed_rank: int | None
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every rank succeeded, else the first failure's status (as a shell reports it)."""
+        if self.failed_rank is None:
+            return 0
+        code = self.returncodes[self.failed_rank]
+        return 128 - code if code < 0 else code
+
+
+async def launch(
+    argv: Sequence[str],
+    processes: int,
+    *,
+    listen: str | None = None,
+    env: Mapping[str, str] | None = None,
+    output: TextIO | None = None,
+    grace: float = 5.0,
+    config: GroupConfig | None = None,
+) -> LaunchResult:
+    """Run ``argv`` as ``processes`` ranks of one group on this host.
+
+    Args:
+        argv: the command of each rank, e.g. ``[sys.executable, "train.py"]``.
+        processes: how many ranks.
+        listen: ``TENSORWIRE_LISTEN`` for the ranks (their data transport).
+        env: the children's base environment (default: this process's).
+        output: where the prefixed lines go (default: standard output).
+        grace: seconds a stopped rank gets after SIGTERM before SIGKILL.
+        config: the rendezvous's settings (its heartbeat timeout).
+
+    Raises:
+        ConfigError: no command, or fewer than one process.
+    """
+    if not argv:
+        raise ConfigError("launch needs a command to run")
+    if not isinstance(processes, int) or processes < 1:
+        raise ConfigError(f"launch needs at least one process, got {processes!r}")
+    out = output or sys.stdout
+    server, master = await serve_rendezvous("tcp://127.0.0.1:0", processes, config=config)
+    base = dict(os.environ if env is None else env)
+    base.update(WORLD_SIZE=str(processes), LOCAL_WORLD_SIZE=str(processes),
+                TENSORWIRE_MASTER=master, TENSORWIRE_MASTER_HOSTED="1")
+    if listen:
+        base["TENSORWIRE_LISTEN"] = listen
+    children: list[asyncio.subprocess.Process] = []
+    loop = asyncio.get_running_loop()
+    try:
+        for rank in range(processes):
+            children.append(await asyncio.create_subprocess_exec(
+                *argv, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            ))
+        forwarded = _forward_signals(loop, children)
+        try:
+            return await _supervise(children, out, grace)
+        finally:
+            for signum in forwarded:
+                loop.remove_signal_handler(signum)
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+        await server.close(grace=0)
+
+
+def _forward_signals(loop: asyncio.AbstractEventLoop,
+                     children: list[asyncio.subprocess.Process]) -> list[int]:
+    def forward(signum: int) -> None:
+        logger.info("passing signal %d on to %d ranks", signum, len(children))
+        for child in children:
+            if child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signum)
+
+    installed: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(signum, forward, signum)
+        except (NotImplementedError, RuntimeError, ValueError):
+            continue  # not the main thread, or no signals here: nothing to pass on
+        installed.append(signum)
+    return installed
+
+
+async def _supervise(children: list[asyncio.subprocess.Process], out: TextIO,
+                     grace: float) -> LaunchResult:
+    async def relay(rank: int, child: asyncio.subprocess.Process) -> None:
+        assert child.stdout is not None
+        async for line in child.stdout:
+            out.write(f"[rank {rank}] {line.decode(errors='replace').rstrip()}\n")
+            out.flush()
+
+    relays = [asyncio.ensure_future(relay(r, c)) for r, c in enumerate(children)]
+    waits = {asyncio.ensure_future(c.wait()): r for r, c in enumerate(children)}
+    failed: int | None = None
+    pending = set(waits)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in sorted(done, key=waits.__getitem__):
+            rank, code = waits[task], task.result()
+            if code == 0:
+                continue
+            out.write(f"[launch] rank {rank} exited with status {code}\n")
+            out.flush()
+            if failed is None:
+                failed = rank
+                await _stop(children, grace)
+    await asyncio.gather(*relays, return_exceptions=True)
+    codes = tuple(c.returncode if c.returncode is not None else -1 for c in children)
+    return LaunchResult(codes, failed)
+
+
+async def _stop(children: list[asyncio.subprocess.Process], grace: float) -> None:
+    running = [c for c in children if c.returncode is None]
+    for child in running:
+        with contextlib.suppress(ProcessLookupError):
+            child.terminate()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(c.wait() for c in running)), grace)
+    except TimeoutError:
+        for child in running:
+            if child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()

@@ -1,0 +1,96 @@
+"""collective.launch: local ranks with a torchrun-style environment, prefixed
+output, fail-fast and signal forwarding; real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tensorwire.collective import launch
+from tensorwire.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RANK_SCRIPT = """
+import asyncio, os
+import numpy as np
+from tensorwire.collective import Group, GroupConfig
+
+async def main():
+    group = await Group.from_env(config=GroupConfig(timeout=60))
+    if group.rank == int(os.environ.get("FAIL_RANK", "-1")):
+        print("failing on purpose", flush=True)
+        os._exit(3)
+    x = np.full(4, float(group.rank))
+    await group.allreduce(x)
+    print("sum", x[0], "local", os.environ["LOCAL_RANK"], "of", os.environ["WORLD_SIZE"],
+          flush=True)
+    await group.close()
+
+asyncio.run(main())
+"""
+
+
+async def test_ranks_run_with_the_environment_and_prefixed_output() -> None:
+    out = io.StringIO()
+    result = await launch([sys.executable, "-c", RANK_SCRIPT], 3, output=out,
+                          listen="tcp://127.0.0.1:0")
+    assert result.exit_code == 0 and result.returncodes == (0, 0, 0)
+    lines = sorted(out.getvalue().splitlines())
+    assert lines == [f"[rank {r}] sum 3.0 local {r} of 3" for r in range(3)]
+
+
+async def test_one_failed_rank_stops_the_others_at_once() -> None:
+    out = io.StringIO()
+    started = time.monotonic()
+    result = await launch([sys.executable, "-c", RANK_SCRIPT], 3, output=out,
+                          env={**__import__("os").environ, "FAIL_RANK": "1"})
+    # Ranks 0 and 2 would wait 60 s in their allreduce; the launcher stops them.
+    assert time.monotonic() - started < 30
+    assert result.returncodes[1] == 3 and result.exit_code != 0
+    assert result.failed_rank is not None
+    assert "[rank 1] failing on purpose" in out.getvalue()
+    assert "[launch] rank 1 exited with status 3" in out.getvalue()
+    # The others were stopped or failed with it, none finished its allreduce.
+    assert "sum" not in out.getvalue()
+
+
+async def test_sigterm_reaches_every_rank() -> None:
+    ranks = (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        "    print('got SIGTERM', flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = (
+        "import asyncio, sys\n"
+        "from tensorwire.collective import launch\n"
+        f"result = asyncio.run(launch([sys.executable, '-c', {ranks!r}], 2))\n"
+        "sys.exit(result.exit_code)\n"
+    )
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", launcher, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    assert child.stdout is not None
+    seen = []
+    while len([line for line in seen if b"ready" in line]) < 2:
+        seen.append(await asyncio.wait_for(child.stdout.readline(), 30))
+    child.send_signal(signal.SIGTERM)
+    rest = await asyncio.wait_for(child.stdout.read(), 30)
+    assert await child.wait() == 0
+    assert sorted(rest.decode().split("\n")[:2]) == ["[rank 0] got SIGTERM",
+                                                     "[rank 1] got SIGTERM"]
+
+
+async def test_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match="command"):
+        await launch([], 2)
+    with pytest.raises(ConfigError, match="at least one"):
+        await launch([sys.executable], 0)
