@@ -749,9 +749,7 @@ class Group:
         flat = flatten(x, writable=False)
         n = self.world_size
         shape = (n, *flat.shape)
-        target = flat.allocate(shape) if out is None else flatten(out, name="out")
-        if target.shape != shape or target.dtype != flat.dtype or target.order != "C":
-            raise InvalidArgument(f"out must be a C-ordered {flat.dtype} array of shape {shape}")
+        target = _output(flat, out, shape)
         large = self._large(flat.nbytes * n, algorithm)
 
         async def body(o: _Op) -> Any:
@@ -835,10 +833,7 @@ class Group:
         shape = (n, *flat.shape)
         target: Flat | None = None
         if self.rank == root:
-            target = flat.allocate(shape) if out is None else flatten(out, name="out")
-            if target.shape != shape or target.dtype != flat.dtype or target.order != "C":
-                raise InvalidArgument(
-                    f"out must be a C-ordered {flat.dtype} array of shape {shape}")
+            target = _output(flat, out, shape)
 
         async def body(o: _Op) -> Any:
             count = flat.size
@@ -897,10 +892,7 @@ class Group:
         n = self.world_size
         if not flat.shape or flat.shape[0] != n or flat.order != "C":
             raise InvalidArgument(f"alltoall needs a C-ordered array of shape ({n}, ...)")
-        target = flat.allocate(flat.shape) if out is None else flatten(out, name="out")
-        if target.shape != flat.shape or target.dtype != flat.dtype or target.order != "C":
-            raise InvalidArgument(
-                f"out must be a C-ordered {flat.dtype} array of shape {flat.shape}")
+        target = _output(flat, out, flat.shape)
 
         async def body(o: _Op) -> Any:
             count = flat.size // n
@@ -1081,6 +1073,18 @@ class Group:
 
     def __repr__(self) -> str:
         return f"<Group {self.id} rank {self.rank} of {self.world_size}>"
+
+
+def _output(like: Flat, out: Any, shape: tuple[int, ...]) -> Flat:
+    """``out``, or a new array of ``like``'s kind, checked as a C-ordered ``shape`` result.
+
+    Raises:
+        InvalidArgument: ``out`` has another shape, dtype or order.
+    """
+    target = like.allocate(shape) if out is None else flatten(out, name="out")
+    if target.shape != shape or target.dtype != like.dtype or target.order != "C":
+        raise InvalidArgument(f"out must be a C-ordered {like.dtype} array of shape {shape}")
+    return target
 
 
 def _nbytes(frame: Any) -> int:

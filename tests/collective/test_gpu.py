@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from typing import Any
 
 import numpy as np
 import pytest
 
 from tensorwire.collective import GroupConfig, ReduceOp
 
+from .._cuda import cupy_or_skip
 from .test_group import make_groups
 
 LISTEN = [
@@ -24,20 +24,12 @@ LISTEN = [
 ]
 
 
-def _cupy() -> Any:
-    cupy = pytest.importorskip("cupy", reason="cupy is not installed")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("cupy sees no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
-        pytest.skip(f"no CUDA runtime: {exc}")
-    return cupy
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("listen", LISTEN)
 async def test_cupy_allreduce_broadcast_allgather(listen: str) -> None:
-    cupy = _cupy()
+    cupy = cupy_or_skip()
     config = GroupConfig(timeout=60, rendezvous_timeout=30, segment_bytes=1 << 20)
     groups, server = await make_groups(3, listen, config)
     try:
@@ -72,7 +64,7 @@ async def test_torch_cuda_allreduce() -> None:
     torch = pytest.importorskip("torch", reason="torch is not installed")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
-    _cupy()
+    cupy_or_skip()
     groups, server = await make_groups(2)
     try:
         ts = [torch.full((1 << 20,), float(g.rank + 1), device="cuda") for g in groups]

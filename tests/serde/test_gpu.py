@@ -9,15 +9,7 @@ import pytest
 
 from tensorwire import serde
 
-
-def _cupy() -> Any:
-    cupy = pytest.importorskip("cupy", reason="cupy is not installed")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("cupy sees no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
-        pytest.skip(f"no CUDA runtime: {exc}")
-    return cupy
+from .._cuda import cupy_or_skip
 
 
 def _torch_cuda() -> Any:
@@ -30,7 +22,7 @@ def _torch_cuda() -> Any:
 @pytest.mark.gpu
 @pytest.mark.parametrize("order", ["C", "F"])
 def test_cupy_roundtrip_zero_copy(order: str) -> None:
-    cupy = _cupy()
+    cupy = cupy_or_skip()
     arr = cupy.arange(4096, dtype=cupy.float32).reshape(64, 64)
     arr = cupy.asfortranarray(arr) if order == "F" else arr
     header, buffers = serde.encode({"x": arr})
@@ -45,7 +37,7 @@ def test_cupy_roundtrip_zero_copy(order: str) -> None:
 
 @pytest.mark.gpu
 def test_cupy_strided_and_host_buffer() -> None:
-    cupy = _cupy()
+    cupy = cupy_or_skip()
     arr = cupy.arange(100, dtype=cupy.int64)[::3]
     header, buffers = serde.encode(arr)
     host = [np.asarray(cupy.asnumpy(b)) for b in buffers]

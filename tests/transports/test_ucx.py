@@ -30,6 +30,7 @@ from tensorwire.transports import (
 )
 from tensorwire.transports._wire import HANDSHAKE
 
+from .._cuda import cupy_or_skip
 from .test_conformance import as_bytes, echo, pattern
 from .test_tcp import send_raw
 
@@ -350,19 +351,9 @@ async def test_killed_server_process_fails_our_recv_within_seconds(tmp_path: Pat
         await child.wait()
 
 
-def _cuda_device_or_skip() -> Any:
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
-        pytest.skip(f"no usable CUDA device: {exc}")
-    return cupy
-
-
 @pytest.mark.gpu
 async def test_cuda_frames_arrive_in_device_memory() -> None:
-    cupy = _cuda_device_or_skip()
+    cupy = cupy_or_skip()
     data = cupy.arange(1 << 20, dtype=cupy.float32)
     async with echo_server() as listener, await connect(listener.address) as conn:
         await conn.send([b"meta", data, np.arange(10, dtype=np.uint8)])
@@ -375,7 +366,7 @@ async def test_cuda_frames_arrive_in_device_memory() -> None:
 
 @pytest.mark.gpu
 async def test_cuda_frame_into_allocator_memory() -> None:
-    cupy = _cuda_device_or_skip()
+    cupy = cupy_or_skip()
     given: list[Any] = []
 
     def allocator(info: Any) -> Any:
