@@ -105,31 +105,35 @@ async def shard_process(url: str, *options: str) -> AsyncIterator[tuple[Any, str
     """``tensorwire ps serve`` in a child process; yields (process, address)."""
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tensorwire", "ps", "serve", "--listen", url, *options,
-        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
-    drain: asyncio.Task[None] | None = None
+    assert child.stdout is not None and child.stderr is not None
+    errors = bytearray()
+    # Keep reading stderr (and later stdout, where UCX may log) so no pipe fills.
+    drains = [asyncio.get_running_loop().create_task(_drain(child.stderr, errors))]
     try:
-        assert child.stdout is not None
         address = ""
         while not address:
             line = (await asyncio.wait_for(child.stdout.readline(), 60)).decode()
             if not line:
-                raise RuntimeError("the shard process exited")
+                await child.wait()
+                await drains[0]
+                raise RuntimeError(f"the shard process exited: {errors.decode()[-2000:]}")
             if line.startswith("listening on "):
                 address = line.split()[-1]
-        # UCX may log to stdout: keep reading so the pipe never fills.
-        drain = asyncio.get_running_loop().create_task(_drain(child.stdout))
+        drains.append(asyncio.get_running_loop().create_task(_drain(child.stdout, None)))
         yield child, address
     finally:
         with contextlib.suppress(ProcessLookupError):
             child.kill()
         await child.wait()
-        if drain is not None:
+        for drain in drains:
             drain.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await drain
 
 
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.read(65536):
-        pass
+async def _drain(stream: asyncio.StreamReader, keep: bytearray | None) -> None:
+    while data := await stream.read(65536):
+        if keep is not None:
+            keep += data
