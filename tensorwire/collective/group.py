@@ -65,7 +65,6 @@ _NEWS_GRACE = 1.0
 @dataclasses.dataclass(slots=True)
 class _Op:
     seq: int
-    name: str
     sig: bytes
     body: Callable[[_Op], Coroutine[Any, Any, Any]]
     timeout: float
@@ -292,8 +291,7 @@ class Group:
 
     # -- the operation queue ---------------------------------------------------
 
-    def _submit(self, name: str, describe: str,
-                body: Callable[[_Op], Coroutine[Any, Any, Any]],
+    def _submit(self, describe: str, body: Callable[[_Op], Coroutine[Any, Any, Any]],
                 timeout: float | None) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
@@ -303,7 +301,7 @@ class Group:
             raise self._failed
         if timeout is not None and not timeout > 0:
             raise InvalidArgument(f"timeout must be positive, got {timeout!r}")
-        op = _Op(self._seq, name, describe.encode(), body,
+        op = _Op(self._seq, describe.encode(), body,
                  self.config.timeout if timeout is None else timeout, future)
         self._seq += 1
         self._queue.append(op)
@@ -674,7 +672,7 @@ class Group:
                 await self._doubling_allreduce(o, flat, a, reduce)
             return flat.result()
 
-        return self._submit("allreduce", f"allreduce({flat.describe()},{reduce.value})",
+        return self._submit(f"allreduce({flat.describe()},{reduce.value})",
                             body, timeout)
 
     def reduce(self, x: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM, *,
@@ -702,8 +700,7 @@ class Group:
                 flat.divide(a, n)
             return flat.result()
 
-        return self._submit(
-            "reduce", f"reduce({flat.describe()},{reduce.value},root={root})", body, timeout)
+        return self._submit(f"reduce({flat.describe()},{reduce.value},root={root})", body, timeout)
 
     async def _gather_blocks(self, op: _Op, flat: Flat, a: Any,
                              bounds: list[tuple[int, int]], root: int, step: int) -> None:
@@ -735,7 +732,7 @@ class Group:
                     await self._tree_broadcast(o, flat, flat.array, root)
             return flat.result()
 
-        return self._submit("broadcast", f"broadcast({flat.describe()},root={root})",
+        return self._submit(f"broadcast({flat.describe()},root={root})",
                             body, timeout)
 
     def allgather(self, x: Any, *, out: Any = None, algorithm: Algorithm = "auto",
@@ -767,7 +764,7 @@ class Group:
                 await self._bruck_allgather(o, target, a, count)
             return target.result()
 
-        return self._submit("allgather", f"allgather({flat.describe()})", body, timeout)
+        return self._submit(f"allgather({flat.describe()})", body, timeout)
 
     async def _bruck_allgather(self, op: _Op, flat: Flat, a: Any, count: int) -> None:
         n = self.world_size
@@ -821,8 +818,7 @@ class Group:
                 flat.divide(a[lo:hi], n)
             return flat.original[lo_row:hi_row]
 
-        return self._submit("reduce_scatter",
-                            f"reduce_scatter({flat.describe()},{reduce.value})", body, timeout)
+        return self._submit(f"reduce_scatter({flat.describe()},{reduce.value})", body, timeout)
 
     def gather(self, x: Any, root: int = 0, *, out: Any = None,
                timeout: float | None = None) -> asyncio.Future[Any]:
@@ -848,7 +844,7 @@ class Group:
             ))
             return target.result()
 
-        return self._submit("gather", f"gather({flat.describe()},root={root})", body, timeout)
+        return self._submit(f"gather({flat.describe()},root={root})", body, timeout)
 
     def scatter(self, out: Any, parts: Any = None, root: int = 0, *,
                 timeout: float | None = None) -> asyncio.Future[Any]:
@@ -879,7 +875,7 @@ class Group:
             ))
             return flat.result()
 
-        return self._submit("scatter", f"scatter({flat.describe()},root={root})", body, timeout)
+        return self._submit(f"scatter({flat.describe()},root={root})", body, timeout)
 
     def alltoall(self, x: Any, *, out: Any = None,
                  timeout: float | None = None) -> asyncio.Future[Any]:
@@ -907,7 +903,7 @@ class Group:
                                      frm, [target.frame(block(dst, frm))])
             return target.result()
 
-        return self._submit("alltoall", f"alltoall({flat.describe()})", body, timeout)
+        return self._submit(f"alltoall({flat.describe()})", body, timeout)
 
     def barrier(self, *, timeout: float | None = None) -> asyncio.Future[None]:
         """Wait until every rank has reached the barrier (dissemination, log2 rounds)."""
@@ -915,7 +911,7 @@ class Group:
             for step, (to, frm) in enumerate(schedule.dissemination(self.rank, self.world_size)):
                 await self._exchange(o, step, to, [], frm, [])
 
-        return self._submit("barrier", "barrier()", body, timeout)
+        return self._submit("barrier()", body, timeout)
 
     # -- point to point ------------------------------------------------------------
 
