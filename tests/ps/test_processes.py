@@ -97,10 +97,11 @@ async def test_ssp_bound_holds_under_a_slow_worker(pool: concurrent.futures.Exec
     assert lead == staleness
 
 
+@pytest.mark.parametrize("url", URLS)
 async def test_async_workers_do_not_wait_for_a_slow_one(
-        pool: concurrent.futures.Executor) -> None:
+        pool: concurrent.futures.Executor, url: str) -> None:
     steps = 12
-    async with shards("tcp://127.0.0.1:0") as addresses:
+    async with shards(url) as addresses:
         seen = await run_workers(pool, w.count, *(
             (addresses, rank, WORKERS, steps, "async", 0, 0.25 if rank == 2 else 0.0)
             for rank in range(WORKERS)))
@@ -124,13 +125,14 @@ async def test_compressed_sync_training_stays_close(pool: concurrent.futures.Exe
         np.testing.assert_array_equal(results[1]["final"][name], results[0]["final"][name])
 
 
+@pytest.mark.parametrize("url", URLS)
 async def test_a_killed_shard_restores_its_checkpoint_and_training_continues(
-        pool: concurrent.futures.Executor, tmp_path: Path) -> None:
+        pool: concurrent.futures.Executor, tmp_path: Path, url: str) -> None:
     steps, optimizer = 30, ps.SGD(lr=0.02, momentum=0.5)
     options = ("--checkpoint-dir", str(tmp_path / "s0"), "--checkpoint-every", "3")
     loop = asyncio.get_running_loop()
-    async with w.shard_process("tcp://127.0.0.1:0", *options) as (victim, first), \
-            w.shard_process("tcp://127.0.0.1:0") as (_, second):
+    async with w.shard_process(url, *options) as (victim, first), \
+            w.shard_process(url) as (_, second):
         addresses = [first, second]
         training = asyncio.gather(*(
             loop.run_in_executor(pool, functools.partial(
