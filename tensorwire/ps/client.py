@@ -268,7 +268,7 @@ class PSClient:
         return asyncio.get_running_loop().create_task(self._pull(self.clock))
 
     def push_pull(self, grads: Mapping[str, Array]) -> asyncio.Task[dict[str, Array]]:
-        """``push`` then ``pull`` in one round trip per shard.
+        """``push`` then ``pull`` in one round trip per shard message.
 
         Raises:
             What :meth:`push` and :meth:`pull` raise.
