@@ -2,11 +2,17 @@
 
 ::
 
+    tensorwire info [--json]                      # versions, transports, UCX devices, GPUs
+    tensorwire serve app:Store --listen tcp://0.0.0.0:7000
+    tensorwire ls tcp://host:7000                 # services and methods
+    tensorwire call tcp://host:7000 Store.get '"w"'
+    tensorwire launch -n 4 train.py --epochs 3    # local ranks, torchrun-style
     tensorwire ps serve --listen tcp://0.0.0.0:7000 --checkpoint-dir /ckpt/shard0
     tensorwire demo
 
-This is an entry point: it may read the environment and print; the library
-does neither.
+This is an entry point: it may read the environment (``TENSORWIRE_LOG``) and
+print; the library does neither. Errors are one line with a hint;
+``--verbose`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -14,12 +20,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
+import json
 import logging
+import os
 import runpy
 import signal
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from .errors import (
+    ConfigError,
+    ConnectionClosedError,
+    NotFound,
+    RemoteError,
+    TensorwireError,
+    TransportError,
+    Unavailable,
+    UnsupportedTransportError,
+)
 
 __all__ = ("main",)
 
@@ -28,9 +50,40 @@ DEMO = Path(__file__).resolve().parents[1] / "examples" / "ps_train.py"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tensorwire", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="WARNING",
-                        help="logging level (DEBUG, INFO, WARNING, ...)")
+    parser.add_argument("--log-level", default=os.environ.get("TENSORWIRE_LOG", "WARNING"),
+                        help="logging level (DEBUG, INFO, WARNING, ...; default: "
+                             "$TENSORWIRE_LOG or WARNING)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the traceback of an error, not only its line")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    info = commands.add_parser("info", help="versions, usable transports, UCX devices, GPUs")
+    info.add_argument("--json", action="store_true", help="as JSON, for machines")
+
+    serve_services = commands.add_parser("serve", help="host service classes (module:Class)")
+    serve_services.add_argument("services", nargs="+", metavar="MODULE:CLASS",
+                                help="classes to host, each made with no arguments")
+    serve_services.add_argument("--listen", action="append", metavar="URL",
+                                help="address to listen on (repeatable; default "
+                                     "tcp://127.0.0.1:0)")
+
+    call = commands.add_parser("call", help="call a method with JSON arguments, print the "
+                                            "result as JSON")
+    call.add_argument("address", metavar="URL")
+    call.add_argument("method", metavar="SERVICE.METHOD")
+    call.add_argument("args", nargs="*", metavar="JSON", help='e.g. \'"key"\' 3 \'[1, 2]\'')
+    call.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+
+    ls = commands.add_parser("ls", help="list a server's services and methods")
+    ls.add_argument("address", metavar="URL")
+
+    launch = commands.add_parser("launch", help="run N local ranks of a program with the "
+                                                "environment Group.from_env() reads")
+    launch.add_argument("-n", "--nproc", type=int, required=True, help="how many ranks")
+    launch.add_argument("--listen", metavar="URL",
+                        help="the ranks' data transport (default tcp://0.0.0.0:0)")
+    launch.add_argument("program", help="a .py file (run with this Python) or a command")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
 
     ps = commands.add_parser("ps", help="parameter server")
     ps_commands = ps.add_subparsers(dest="ps_command", required=True)
@@ -72,14 +125,150 @@ async def _serve(args: argparse.Namespace) -> None:
     await shard.close()
 
 
+def _info(args: argparse.Namespace) -> int:
+    from ._info import format_text, gather
+
+    info = gather()
+    print(json.dumps(info, indent=2) if args.json else format_text(info))
+    return 0
+
+
+def _load(spec: str) -> Any:
+    """``module:Class`` -> an instance, importing from the working directory too."""
+    module_name, sep, class_name = spec.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ConfigError(f"expected MODULE:CLASS, got {spec!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r}: {exc}") from exc
+    try:
+        cls = getattr(module, class_name)
+    except AttributeError:
+        raise ConfigError(f"module {module_name!r} has no {class_name!r}") from None
+    return cls()
+
+
+async def _serve_services(args: argparse.Namespace) -> int:
+    from .rpc import Server
+
+    server = Server([_load(spec) for spec in args.services])
+    for address in await server.start(*(args.listen or ["tcp://127.0.0.1:0"])):
+        print(f"listening on {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    # Calls in flight get the server's shutdown grace; new ones are refused.
+    await server.close()
+    return 0
+
+
+def _jsonable(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        if value.size <= 64:
+            return value.tolist()
+        return {"array": str(value.dtype), "shape": list(value.shape),
+                "first": value.ravel()[:8].tolist()}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"bytes": len(value)}
+    return repr(value)
+
+
+async def _call(args: argparse.Namespace) -> int:
+    from .rpc import connect
+
+    try:
+        values = [json.loads(text) for text in args.args]
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"arguments must be JSON ({exc}); quote strings: '\"text\"'") from None
+    async with connect(args.address, timeout=args.timeout) as client:
+        result = await client.call(args.method, *values, timeout=args.timeout)
+    print(json.dumps(result, default=_jsonable, indent=2))
+    return 0
+
+
+async def _ls(args: argparse.Namespace) -> int:
+    from .rpc import connect
+
+    async with connect(args.address) as client:
+        services = await client.services()
+    for service in services:
+        print(service["name"] + (f"  -- {service['doc'].splitlines()[0]}"
+                                 if service["doc"] else ""))
+        for method in service["methods"]:
+            kind = " (stream)" if method["streaming"] else ""
+            doc = f"  -- {method['doc'].splitlines()[0]}" if method["doc"] else ""
+            print(f"  {method['name']}{method['signature']}{kind}{doc}")
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from .collective import launch
+
+    argv = [sys.executable, args.program] if args.program.endswith(".py") else [args.program]
+    result = asyncio.run(launch([*argv, *args.args], args.nproc, listen=args.listen))
+    return result.exit_code
+
+
+def _hint(exc: BaseException, args: argparse.Namespace) -> str:
+    address = getattr(args, "address", None)
+    if isinstance(exc, UnsupportedTransportError):
+        return "for ucx:// install the UCX bindings: pip install ucxx-cu12"
+    if isinstance(exc, Unavailable | ConnectionClosedError):
+        where = f" at {address}" if address else ""
+        return f"is a tensorwire server running{where}? check the host and port"
+    if isinstance(exc, NotFound) and "service" in str(exc):
+        return "tensorwire ls URL lists what the server hosts"
+    if isinstance(exc, TransportError) and "bind" in str(exc).lower():
+        return "the port is in use or the address is not this host's; try port 0"
+    if isinstance(exc, RemoteError) and exc.remote_traceback:
+        return "the remote traceback follows with --verbose"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "demo":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = logging.getLevelName(args.log_level.upper())
+    if not isinstance(level, int):
+        parser.error(f"unknown log level {args.log_level!r} (DEBUG, INFO, WARNING, ERROR)")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args, extra)
+    except KeyboardInterrupt:
+        return 130
+    except TensorwireError as exc:
+        if args.verbose:
+            traceback.print_exc()
+            if isinstance(exc, RemoteError) and exc.remote_traceback:
+                print(exc.remote_traceback, file=sys.stderr)
+        hint = _hint(exc, args)
+        print(f"tensorwire: error: {exc}" + (f"\n  hint: {hint}" if hint else ""),
+              file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.command == "info":
+        return _info(args)
+    if args.command == "serve":
+        return asyncio.run(_serve_services(args))
+    if args.command == "call":
+        return asyncio.run(_call(args))
+    if args.command == "ls":
+        return asyncio.run(_ls(args))
+    if args.command == "launch":
+        return _launch(args)
     if args.command == "ps":
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_serve(args))
