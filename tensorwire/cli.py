@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -76,6 +77,23 @@ def _parser() -> argparse.ArgumentParser:
 
     ls = commands.add_parser("ls", help="list a server's services and methods")
     ls.add_argument("address", metavar="URL")
+
+    bench = commands.add_parser("bench", help="size sweeps: transport, RPC, allreduce")
+    bench.add_argument("what", choices=["p2p", "rpc", "allreduce"])
+    bench.add_argument("--sizes", help="bytes, e.g. 8,1K,4M (default 8 B to 64 MiB)")
+    bench.add_argument("--listen", action="append", metavar="URL",
+                       help="transport to measure (repeatable; default tcp:// and, where "
+                            "usable, ucx:// on loopback)")
+    bench.add_argument("--connect", metavar="URL",
+                       help="p2p/rpc: measure against a peer another host serves")
+    bench.add_argument("--serve", action="store_true",
+                       help="p2p/rpc: be the peer (on the one --listen address)")
+    bench.add_argument("-n", "--nproc", type=int, default=2, help="allreduce: local ranks")
+    output = bench.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true")
+    output.add_argument("--csv", action="store_true")
+    bench.add_argument("--plot", metavar="PNG", help="draw bandwidth and latency to this file")
+    bench.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
 
     launch = commands.add_parser("launch", help="run N local ranks of a program with the "
                                                 "environment Group.from_env() reads")
@@ -209,6 +227,120 @@ async def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_urls(args: argparse.Namespace) -> list[str]:
+    if args.listen:
+        return list(args.listen)
+    import importlib.util
+
+    urls = ["tcp://127.0.0.1:0"]
+    if importlib.util.find_spec("ucxx") is not None:
+        urls.append("ucx://127.0.0.1:0")
+    return urls
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import _bench
+
+    try:
+        sizes = _bench.parse_sizes(args.sizes) if args.sizes else _bench.DEFAULT_SIZES
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.what == "allreduce" and (args.as_rank or "RANK" in os.environ
+                                      or "SLURM_PROCID" in os.environ
+                                      or "OMPI_COMM_WORLD_RANK" in os.environ):
+        return asyncio.run(_bench_rank(args, sizes))
+    if args.serve:
+        if args.what == "allreduce":
+            raise ConfigError("--serve is for p2p and rpc; allreduce ranks run under a launcher")
+        serve = _bench.serve_p2p if args.what == "p2p" else _bench.serve_rpc
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(_bench_urls(args)[0],
+                              lambda address: print(f"listening on {address}", flush=True)))
+        return 0
+    series: dict[str, list[_bench.Row]] = {}
+    if args.connect:
+        series[args.connect] = asyncio.run(_bench_sweep(args.what, args.connect, sizes))
+    else:
+        for url in _bench_urls(args):
+            scheme = url.partition("://")[0]
+            series[f"{scheme}://"] = _bench_local(args, url, sizes)
+    for name, rows in series.items():
+        if args.json:
+            print(_bench.format_json(rows))
+        elif args.csv:
+            print(_bench.format_csv(rows), end="")
+        else:
+            extra = f", {args.nproc} ranks" if args.what == "allreduce" else ""
+            print(f"# {args.what} over {name}{extra}")
+            print(_bench.format_table(rows))
+    if args.plot:
+        try:
+            _bench.plot(series, args.plot)
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+async def _bench_sweep(what: str, address: str, sizes: list[int]) -> list[Any]:
+    from . import _bench
+
+    progress = _bench.Progress(len(sizes))
+    sweep = _bench.sweep_p2p if what == "p2p" else _bench.sweep_rpc
+    return await sweep(address, sizes, progress)
+
+
+def _bench_local(args: argparse.Namespace, url: str, sizes: list[int]) -> list[Any]:
+    """Run the sweep against peers started here."""
+    import io
+    import subprocess
+
+    from . import _bench
+
+    sizes_arg = ",".join(str(s) for s in sizes)
+    if args.what == "allreduce":
+        from .collective import launch
+
+        out = io.StringIO()
+        result = asyncio.run(launch(
+            [sys.executable, "-m", "tensorwire", "bench", "allreduce", "--as-rank", "--json",
+             "--sizes", sizes_arg], args.nproc, listen=url, output=out))
+        if result.exit_code != 0:
+            raise TensorwireError(f"the allreduce ranks failed:\n{out.getvalue()[-2000:]}")
+        (line,) = [x for x in out.getvalue().splitlines() if x.startswith("[rank 0] [")]
+        return [_bench.Row(**r) for r in json.loads(line.removeprefix("[rank 0] "))]
+    peer = subprocess.Popen([sys.executable, "-m", "tensorwire", "bench", args.what, "--serve",
+                             "--listen", url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        line = peer.stdout.readline()
+        if not line.startswith("listening on "):
+            raise TensorwireError(f"the {args.what} peer on {url} did not start")
+        return asyncio.run(_bench_sweep(args.what, line.split()[-1], sizes))
+    finally:
+        peer.terminate()
+        peer.wait(30)
+        if peer.stdout is not None:
+            peer.stdout.close()
+
+
+async def _bench_rank(args: argparse.Namespace, sizes: list[int]) -> int:
+    from . import _bench
+    from .collective import Group
+
+    group = await Group.from_env()
+    try:
+        progress = _bench.Progress(len(sizes))
+        progress.enabled = progress.enabled and group.rank == 0
+        rows = await _bench.sweep_allreduce(group, sizes, progress)
+    finally:
+        await group.close()
+    if group.rank == 0:
+        print(json.dumps([dataclasses.asdict(r) for r in rows]) if args.json
+              else _bench.format_table(rows), flush=True)
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from .collective import launch
 
@@ -269,6 +401,8 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         return asyncio.run(_ls(args))
     if args.command == "launch":
         return _launch(args)
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "ps":
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_serve(args))

@@ -110,3 +110,38 @@ def test_log_level_from_the_environment() -> None:
     result = subprocess.run([*COMMAND, "info"], capture_output=True, text=True, env=env,
                             cwd=ROOT, timeout=60)
     assert result.returncode != 0 and "nonsense" in result.stderr
+
+
+def test_bench_p2p_sweep_as_json_with_a_plot(tmp_path: Path) -> None:
+    plot = tmp_path / "p2p.png"
+    result = run("bench", "p2p", "--sizes", "8,64K", "--listen", "tcp://127.0.0.1:0", "--json",
+                 "--plot", str(plot), timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["size"] for r in rows] == [8, 65536]
+    assert all(r["latency_us"] > 0 and r["bandwidth_gbs"] > 0 for r in rows)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rpc_and_allreduce_tables() -> None:
+    rpc = run("bench", "rpc", "--sizes", "1K", "--listen", "tcp://127.0.0.1:0", timeout=120)
+    assert rpc.returncode == 0, rpc.stderr
+    assert rpc.stdout.splitlines()[:2] == [
+        "# rpc over tcp://", "      size    latency (µs)  bandwidth (GB/s)"]
+    allreduce = run("bench", "allreduce", "-n", "3", "--sizes", "4K,1M", "--csv",
+                    "--listen", "tcp://127.0.0.1:0", timeout=120)
+    assert allreduce.returncode == 0, allreduce.stderr
+    lines = allreduce.stdout.splitlines()
+    assert lines[0] == "size,latency_us,bandwidth_gbs,busbw_gbs"
+    sizes = [int(line.split(",")[0]) for line in lines[1:]]
+    assert sizes == [4096, 1 << 20]
+    for line in lines[1:]:
+        _, seconds, algbw, busbw = (float(v) for v in line.split(","))
+        assert seconds > 0 and algbw > 0
+        assert busbw == pytest.approx(algbw * 4 / 3)
+
+
+def test_bench_bad_sizes() -> None:
+    result = run("bench", "p2p", "--sizes", "8,lots")
+    assert result.returncode == 1
+    assert "bad size 'lots'" in result.stderr

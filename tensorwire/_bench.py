@@ -1,0 +1,269 @@
+"""``tensorwire bench``: size sweeps in the style of the OSU micro-benchmarks.
+
+``p2p`` times the transport alone (a message echoed by the peer), ``rpc`` a
+unary call that echoes a tensor, ``allreduce`` the collective over N ranks
+(busbw as nccl-tests defines it). By default the peers are processes started
+here, on loopback; ``--connect URL`` measures against a peer that
+``tensorwire bench p2p --serve --listen URL`` (or ``rpc``) runs on another
+host, and ``allreduce`` under a launcher's environment (torchrun, srun)
+measures the ranks it was started as.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import csv
+import dataclasses
+import io
+import json
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+__all__ = ("Row", "format_table", "parse_sizes", "plot", "sweep_allreduce", "sweep_p2p",
+           "sweep_rpc")
+
+DEFAULT_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+          "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    """One size's figures."""
+
+    size: int
+    latency_us: float
+    bandwidth_gbs: float
+    busbw_gbs: float | None = None
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"8,1K,4MiB"`` -> byte counts.
+
+    Raises:
+        ValueError: a size that is not a number with an optional unit.
+    """
+    sizes = []
+    for part in text.split(","):
+        token = part.strip().upper()
+        number = token.rstrip("KMGIB")
+        unit = token[len(number):]
+        if not number.isdigit() or unit not in _UNITS:
+            raise ValueError(f"bad size {part!r}: use e.g. 8, 64K, 4M, 1G")
+        sizes.append(int(number) * _UNITS[unit])
+    return sizes
+
+
+def repetitions(size: int) -> int:
+    """Enough round trips for ~0.2 s at 1 GB/s, between 5 and 2,000."""
+    return int(max(5, min(2000, 2e8 // max(size, 1))))
+
+
+class Progress:
+    """A progress bar on a terminal; silent elsewhere."""
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = int(30 * self.done / self.total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/"
+                              f"{self.total} {label:<12}")
+            if self.done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+
+
+async def _time_round_trips(call: Callable[[], Awaitable[Any]], size: int) -> float:
+    """Median seconds per round trip over a few batches, after a warm-up."""
+    await call()
+    reps = repetitions(size)
+    batch = max(1, reps // 5)
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(batch):
+            await call()
+        samples.append((time.perf_counter() - start) / batch)
+    return statistics.median(samples)
+
+
+def _row(size: int, round_trip: float) -> Row:
+    # One-way latency is half the round trip (OSU's osu_latency); the echo
+    # moves the bytes both ways.
+    return Row(size, round_trip / 2 * 1e6, 2 * size / round_trip / 1e9)
+
+
+async def sweep_p2p(address: str, sizes: Sequence[int], progress: Progress) -> list[Row]:
+    """Echo messages of each size through a transport peer at ``address``."""
+    from .transports import connect
+
+    rows = []
+    conn = await connect(address)
+    try:
+        for size in sizes:
+            payload = np.ones(size, np.uint8)
+            buffer = np.empty(size, np.uint8)
+
+            def into(info: Any, buffer: Any = buffer) -> Any:
+                return buffer
+
+            async def echo(payload: Any = payload, into: Any = into) -> None:
+                await conn.send([payload])
+                await conn.recv(allocator=into)
+
+            rows.append(_row(size, await _time_round_trips(echo, size)))
+            progress.step(_human(size))
+    finally:
+        await conn.close()
+    return rows
+
+
+async def sweep_rpc(address: str, sizes: Sequence[int], progress: Progress) -> list[Row]:
+    """Call ``Bench.echo`` with a tensor of each size."""
+    from .rpc import connect
+
+    rows = []
+    async with connect(address, timeout=120) as client:
+        for size in sizes:
+            payload = np.ones(size, np.uint8)
+
+            async def echo(payload: Any = payload) -> None:
+                await client.call("tensorwire.Bench.echo", payload)
+
+            rows.append(_row(size, await _time_round_trips(echo, size)))
+            progress.step(_human(size))
+    return rows
+
+
+async def serve_p2p(listen: str, ready: Callable[[str], None]) -> None:
+    """Echo every message back until cancelled."""
+    from .errors import ConnectionClosedError
+    from .transports import Connection
+    from .transports import listen as transport_listen
+
+    async def echo(conn: Connection) -> None:
+        with contextlib.suppress(ConnectionClosedError):
+            while True:
+                await conn.send(await conn.recv())
+
+    listener = await transport_listen(listen, echo)
+    ready(listener.address)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await listener.close()
+
+
+async def serve_rpc(listen: str, ready: Callable[[str], None]) -> None:
+    """Host the ``tensorwire.Bench`` echo service until cancelled."""
+    from . import rpc
+
+    class Bench(rpc.Service):
+        service_name = "tensorwire.Bench"
+
+        @rpc.method
+        async def echo(self, value: Any) -> Any:
+            return value
+
+    server = rpc.Server([Bench()])
+    (address,) = await server.start(listen)
+    ready(address)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.close(grace=0)
+
+
+async def sweep_allreduce(group: Any, sizes: Sequence[int], progress: Progress) -> list[Row]:
+    """Allreduce float32 arrays of each size over ``group`` (every rank runs this)."""
+    rows = []
+    factor = 2 * (group.world_size - 1) / group.world_size if group.world_size > 1 else 0.0
+    for size in sizes:
+        x = np.ones(max(size // 4, 1), np.float32)
+        await group.barrier()
+        def once(x: Any = x) -> Awaitable[Any]:
+            return group.allreduce(x)  # type: ignore[no-any-return]
+
+        seconds = await _time_round_trips(once, size)
+        algbw = x.nbytes / seconds / 1e9
+        rows.append(Row(x.nbytes, seconds * 1e6, algbw, algbw * factor))
+        progress.step(_human(size))
+    return rows
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    busbw = any(r.busbw_gbs is not None for r in rows)
+    # A collective reports time per operation and algbw; p2p and rpc report
+    # one-way latency and the bandwidth of the echo.
+    first, second = ("time (µs)", "algbw (GB/s)") if busbw else ("latency (µs)",
+                                                                 "bandwidth (GB/s)")
+    header = f"{'size':>10}  {first:>14}  {second:>16}"
+    if busbw:
+        header += f"  {'busbw (GB/s)':>12}"
+    lines = [header]
+    for r in rows:
+        line = f"{_human(r.size):>10}  {r.latency_us:>14,.1f}  {r.bandwidth_gbs:>16.3f}"
+        if busbw:
+            line += f"  {r.busbw_gbs or 0.0:>12.3f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_json(rows: Sequence[Row]) -> str:
+    return json.dumps([dataclasses.asdict(r) for r in rows], indent=2)
+
+
+def format_csv(rows: Sequence[Row]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow([f.name for f in dataclasses.fields(Row)])
+    for r in rows:
+        writer.writerow(dataclasses.astuple(r))
+    return out.getvalue()
+
+
+def plot(series: Mapping[str, Sequence[Row]], path: str) -> None:
+    """Bandwidth and latency against message size, log axes, one line per series.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (bandwidth, latency) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in series.items():
+        sizes = [r.size for r in rows]
+        bandwidth.plot(sizes, [r.bandwidth_gbs for r in rows], marker="o", label=name)
+        latency.plot(sizes, [r.latency_us for r in rows], marker="o", label=name)
+    for axis, label in ((bandwidth, "bandwidth (GB/s)"), (latency, "latency (µs)")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("message size (bytes)")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
