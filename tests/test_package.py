@@ -17,6 +17,9 @@ PACKAGES = [
     "tensorwire.transports",
     "tensorwire.rpc",
     "tensorwire.ps",
+    "tensorwire.collective",
+    "tensorwire.metrics",
+    "tensorwire.timeline",
     "tensorwire.testing",
 ]
 

@@ -6,6 +6,7 @@ import dataclasses
 
 from ..errors import ConfigError
 from ..rpc import ClientConfig
+from ..timeline import Timeline
 from ..transports import TransportConfig
 
 __all__ = ("GroupConfig",)
@@ -40,6 +41,8 @@ class GroupConfig:
             work in an executor, or raise the timeout.
         transport: transport settings of the data connections (limits, TLS,
             UCX options).
+        timeline: where to record every operation as a span (see
+            :mod:`tensorwire.timeline`); ``None`` records nothing.
     """
 
     timeout: float = 300.0
@@ -49,6 +52,7 @@ class GroupConfig:
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 60.0
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
+    timeline: Timeline | None = None
 
     def __post_init__(self) -> None:
         for name in ("timeout", "rendezvous_timeout", "heartbeat_interval", "heartbeat_timeout"):

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import struct
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Literal
@@ -40,6 +41,7 @@ from ..errors import (
     RankFailedError,
     TransportError,
 )
+from ..rpc._metrics import Metrics
 from ..transports import Connection, FrameInfo, default_allocator
 from . import _schedule as schedule
 from ._arrays import Flat, ReduceOp, flatten
@@ -70,6 +72,12 @@ class _Op:
     timeout: float
     future: asyncio.Future[Any]
     done: bool = False
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.sig.partition(b"(")[0].decode()
 
 
 async def _all(*coros: Coroutine[Any, Any, Any]) -> None:
@@ -146,6 +154,7 @@ class Group:
         self._closed = False
         self._subgroups = 0
         self._children: list[Group] = []
+        self._metrics = Metrics()
 
     # -- creation -------------------------------------------------------------
 
@@ -313,22 +322,49 @@ class Group:
         while self._queue:
             op = self._queue.popleft()
             self._current = op
+            started = time.perf_counter()
             try:
                 result = await self._run(op)
             except asyncio.CancelledError:
                 # Cancelled by news of a failure elsewhere (or by close()).
-                self._fail_all(op, self._failed or CollectiveError(
-                    f"group {self.id}: the operation queue was cancelled"))
+                error = self._failed or CollectiveError(
+                    f"group {self.id}: the operation queue was cancelled")
+                self._observe(op, started, error)
+                self._fail_all(op, error)
                 if self._failed is None:
                     raise
                 return
             except CollectiveError as exc:
+                self._observe(op, started, exc)
                 self._break(exc)
                 self._fail_all(op, exc)
                 return
+            self._observe(op, started, None)
             op.done = True
             if not op.future.done():
                 op.future.set_result(result)
+
+    def _observe(self, op: _Op, started: float, error: BaseException | None) -> None:
+        """Count ``op`` in the metrics, and on the timeline when there is one."""
+        seconds = time.perf_counter() - started
+        name = op.name
+        metrics = self._metrics[name]
+        metrics.bytes_in += op.bytes_in
+        metrics.bytes_out += op.bytes_out
+        metrics.observe(seconds, error=error is not None)
+        timeline = self.config.timeline
+        if timeline is not None:
+            args: dict[str, Any] = {"seq": op.seq, "call": op.sig.decode(), "group": self.id,
+                                    "rank": self.rank, "bytes_in": op.bytes_in,
+                                    "bytes_out": op.bytes_out}
+            if error is not None:
+                args["error"] = repr(error)
+            duration = seconds * 1e6
+            timeline.add(name, "collective", timeline.start() - duration, duration, args)
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """Per operation: calls, errors, bytes in and out, latency p50/p90/p99 (s)."""
+        return self._metrics.snapshot()
 
     async def _run(self, op: _Op) -> Any:
         """Run ``op`` within its deadline; every failure becomes a CollectiveError."""
@@ -441,6 +477,7 @@ class Group:
     # -- messages --------------------------------------------------------------
 
     async def _send(self, peer: int, op: _Op, step: int, frames: Sequence[Any]) -> None:
+        op.bytes_out += sum(_nbytes(f) for f in frames)
         try:
             await self._peers[peer].send([_HEAD.pack(op.seq, step) + op.sig, *frames])
         except ConnectionClosedError as exc:
@@ -449,6 +486,7 @@ class Group:
     async def _recv(self, peer: int, op: _Op, step: int, frames: Sequence[Any]) -> None:
         """Receive ``peer``'s message of ``op`` straight into ``frames``."""
         sizes = [_nbytes(f) for f in frames]
+        op.bytes_in += sum(sizes)
 
         def allocate(info: FrameInfo) -> Any:
             index = info.index - 1

@@ -1,0 +1,98 @@
+"""Metrics (Python dicts, Prometheus text, the HTTP endpoint) and the timeline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+import tensorwire as tw
+from tensorwire.collective import Group, GroupConfig, serve_rendezvous
+from tensorwire.metrics import prometheus_text, serve_metrics
+from tensorwire.timeline import Timeline
+
+from .rpc.services import Store
+
+SAMPLE = re.compile(r'^[a-z_]+\{source="[^"]*",name="[^"]*"(,quantile="[0-9.]+")?\} [0-9.e+-]+$')
+
+
+async def test_collective_metrics_and_timeline(tmp_path: Path) -> None:
+    timelines = [Timeline(process_name=f"rank {r}") for r in range(2)]
+    server, master = await serve_rendezvous("tcp://127.0.0.1:0", 2)
+    ranks = await asyncio.gather(*(
+        Group.create(rank=r, world_size=2, master=master, listen="tcp://127.0.0.1:0",
+                     host_master=False,
+                     config=GroupConfig(timeout=20, rendezvous_timeout=20, timeline=timeline))
+        for r, timeline in enumerate(timelines)))
+    try:
+        for _ in range(3):
+            await asyncio.gather(*(g.allreduce(np.ones(1000, np.float32)) for g in ranks))
+        await asyncio.gather(*(g.barrier() for g in ranks))
+        metrics = ranks[0].metrics()
+        assert metrics["allreduce"]["calls"] == 3 and metrics["allreduce"]["errors"] == 0
+        assert metrics["allreduce"]["bytes_out"] == 3 * 4000  # doubling: one exchange
+        assert metrics["allreduce"]["bytes_in"] == 3 * 4000
+        assert metrics["barrier"]["calls"] == 1
+        assert metrics["allreduce"]["p50"] > 0
+    finally:
+        await asyncio.gather(*(g.close() for g in ranks))
+        await server.close(grace=0)
+    events = timelines[0].events
+    assert [e["name"] for e in events] == ["allreduce"] * 3 + ["barrier"]
+    assert all(e["ph"] == "X" and e["dur"] > 0 and e["cat"] == "collective" for e in events)
+    assert events[0]["args"]["call"] == "allreduce(<f4[1000]C@cpu,sum)"
+    starts = [e["ts"] for e in events]
+    assert starts == sorted(starts)
+    path = tmp_path / "rank0.trace.json"
+    timelines[0].save(path)
+    trace = json.loads(path.read_text())
+    assert trace["traceEvents"][0] == {"name": "process_name", "ph": "M",
+                                       "pid": events[0]["pid"], "args": {"name": "rank 0"}}
+    assert len(trace["traceEvents"]) == 5
+
+
+def test_timeline_is_bounded() -> None:
+    timeline = Timeline(max_events=2)
+    for i in range(5):
+        with timeline.span("op", "test", i=i) as args:
+            args["extra"] = True
+    assert len(timeline.events) == 2 and timeline.dropped == 3
+    assert timeline.events[1]["args"] == {"i": 1, "extra": True}
+
+
+async def test_prometheus_text_and_endpoint() -> None:
+    server = tw.Server([Store()])
+    (address,) = await server.start("tcp://127.0.0.1:0")
+    async with tw.connect(address) as client:
+        await client.call("Store.put", "k", np.arange(4))
+        await client.call("Store.get", "k")
+        text = prometheus_text({"rpc_server": server.metrics, "rpc_client": client.metrics})
+        assert 'tensorwire_calls_total{source="rpc_server",name="Store.get"} 1' in text
+        assert 'tensorwire_calls_total{source="rpc_client",name="Store.put"} 1' in text
+        for line in text.splitlines():
+            assert line.startswith("# ") or SAMPLE.match(line), line
+        async with await serve_metrics("127.0.0.1", 0, {"rpc_server": server.metrics}) as endpoint:
+            host, port = endpoint.address.removeprefix("http://").split("/")[0].split(":")
+            status, body = await fetch(host, int(port), "/metrics")
+            assert status == "HTTP/1.1 200 OK"
+            assert 'name="Store.put"} 1' in body
+            await client.call("Store.put", "k", 1)
+            _, again = await fetch(host, int(port), "/metrics")
+            assert 'tensorwire_calls_total{source="rpc_server",name="Store.put"} 2' in again
+            status, _ = await fetch(host, int(port), "/")
+            assert status == "HTTP/1.1 404 Not Found"
+    await server.close()
+
+
+async def fetch(host: str, port: int, path: str) -> tuple[str, str]:
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    await writer.drain()
+    response = (await reader.read()).decode()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = response.partition("\r\n\r\n")
+    return head.splitlines()[0], body
