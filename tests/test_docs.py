@@ -1,0 +1,91 @@
+"""Every code block in the user documentation runs, as a user would run it.
+
+- Each ```python block of README.md and docs/*.md is a complete program: it
+  is written to a file and run with this Python, the repository root as the
+  working directory, and must exit with status 0 within the timeout.
+- Each ```console block is a shell session: its ``$ `` lines run in order
+  in one bash (``set -e``), with this venv's ``bin`` first on PATH, and the
+  session must succeed. Output lines in the block are not compared.
+- Fragments that cannot run alone use other fences (```sh, ```text, ...);
+  a ```python fence is a promise that the block runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+TIMEOUT = 60
+
+
+def _blocks(language: str) -> list[tuple[str, str]]:
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in FENCE.finditer(text):
+            if match.group(1) == language:
+                line = text.count("\n", 0, match.start()) + 1
+                found.append((f"{page.relative_to(ROOT)}:{line}", match.group(2)))
+    return found
+
+
+PYTHON = _blocks("python")
+CONSOLE = _blocks("console")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("TENSORWIRE_LOG", None)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+                 "OMPI_COMM_WORLD_RANK", "TENSORWIRE_MASTER", "TENSORWIRE_LISTEN"):
+        env.pop(name, None)
+    return env
+
+
+def test_the_docs_have_runnable_blocks() -> None:
+    # Guards the extraction itself: a broken pattern would make every
+    # parametrized test below vanish instead of fail.
+    pages_with_python = {where.split(":")[0] for where, _ in PYTHON}
+    assert {"docs/quickstart.md", "docs/rpc.md"} <= pages_with_python
+    assert CONSOLE, "no ```console block found"
+
+
+def test_no_python_block_hides_under_another_name() -> None:
+    # ```py or ```python3 would silently escape the test below.
+    for page in PAGES:
+        for match in FENCE.finditer(page.read_text()):
+            assert match.group(1) not in ("py", "python3", "pycon", "ipython"), (
+                f"{page.name}: use ```python (runs) or ```text (does not)")
+
+
+@pytest.mark.parametrize(("where", "code"), PYTHON, ids=[w for w, _ in PYTHON])
+def test_python_block_runs(where: str, code: str, tmp_path: Path) -> None:
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    result = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, (
+        f"{where} exited with {result.returncode}\n--- stdout\n{result.stdout[-3000:]}"
+        f"\n--- stderr\n{result.stderr[-3000:]}")
+
+
+@pytest.mark.parametrize(("where", "session"), CONSOLE, ids=[w for w, _ in CONSOLE])
+def test_console_block_runs(where: str, session: str) -> None:
+    commands = [line[2:] for line in session.splitlines() if line.startswith("$ ")]
+    assert commands, f"{where}: a ```console block needs '$ ' command lines"
+    script = "set -euo pipefail\n" + "\n".join(commands) + "\n"
+    result = subprocess.run(["bash", "-c", script], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, (
+        f"{where} exited with {result.returncode}\n--- script\n{script}"
+        f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
