@@ -14,6 +14,10 @@ raw transport's bandwidth measured in the same run between two processes
 (``tensorwire.transports``, no RPC): one way (the model's frames sent, a
 tiny acknowledgement back) and echo (sent and returned, both directions).
 
+For the target (push_pull at 80% of the raw bandwidth one worker has),
+raw echo and one-worker-one-shard push_pull also run alternately a few times,
+so both see the same load on a shared host.
+
 Also: placement imbalance on ResNet-50's parameter shapes, and the wall time
 of the demo (examples/ps_train.py).
 
@@ -258,6 +262,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--megabytes", type=int, default=32, help="model size per worker")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--alternations", type=int, default=5,
+                        help="alternating raw / push_pull runs for the target line")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     counts = [1, 2, 4] if args.quick else [1, 2, 3, 4]
@@ -297,6 +303,23 @@ def main() -> None:
                   f"{statistics.median(single):.0%} (from {min(single):.0%} to "
                   f"{max(single):.0%}) over 1-{counts[-1]} shards; target 80%."]
         sections.append("\n".join(lines))
+    target = ["## Target: one worker, one shard, alternating runs", "",
+              f"{args.alternations} runs of the raw echo and of push_pull (one worker, one "
+              "shard), alternating so both see the same load; each run's figure is the "
+              "median of its rounds.", "",
+              "| transport | raw echo, median of runs | push_pull, median of runs | ratio | "
+              "raw echo, best run | push_pull, best run | ratio |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for url in ("tcp://127.0.0.1:0", "ucx://127.0.0.1:0"):
+        raws, pps = [], []
+        for _ in range(args.alternations):
+            raws.append(run_raw(url, args.megabytes, max(rounds, 5))["echo"])
+            pps.append(run_ps(url, 1, 1, args.megabytes, rounds)["push_pull"][0])
+        mid_raw, mid_pp = statistics.median(raws), statistics.median(pps)
+        print(f"{url}: raw echo {raws}, push_pull {pps}", flush=True)
+        target.append(f"| {url.split(':')[0]}:// | {mid_raw:.2f} | {mid_pp:.2f} | "
+                      f"{mid_pp / mid_raw:.0%} | {max(raws):.2f} | {max(pps):.2f} | "
+                      f"{max(pps) / max(raws):.0%} |")
     demo_seconds, demo_line = demo_time()
     elapsed = time.perf_counter() - started
     load_after = os.getloadavg()
@@ -330,6 +353,8 @@ def main() -> None:
         "being built.",
         "",
         "\n\n".join(sections),
+        "",
+        *target,
         "",
         "## Placement on ResNet-50 (161 tensors, 102 MB, 4 MiB chunks)",
         "",
