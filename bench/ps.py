@@ -349,8 +349,8 @@ def main() -> None:
         "push_pull throughput (all workers' bytes over the phase's wall time; with one "
         "worker, that worker's) by the raw echo of one connection. With several workers "
         "there are several connections, which together can beat one.",
-        "- The ring-allreduce column is not here yet: tensorwire.collective is still "
-        "being built.",
+        "- No ring-allreduce column yet: tensorwire.collective was being built alongside "
+        "this benchmark.",
         "",
         "\n\n".join(sections),
         "",
