@@ -3,8 +3,9 @@
 - Each ```python block of README.md and docs/*.md is a complete program: it
   is written to a file and run with this Python, the repository root as the
   working directory, and must exit with status 0 within the timeout.
-- Each ```console block is a shell session: its ``$ `` lines run in order
-  in one bash (``set -e``), with this venv's ``bin`` first on PATH, and the
+- Each ```console block is a shell session: its ``$ `` lines (with the
+  ``> `` lines that continue them, as bash's PS2 shows) run in order in one
+  bash (``set -e``), with this venv's ``bin`` first on PATH, and the
   session must succeed. Output lines in the block are not compared.
 - Fragments that cannot run alone use other fences (```sh, ```text, ...);
   a ```python fence is a promise that the block runs.
@@ -81,7 +82,12 @@ def test_python_block_runs(where: str, code: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("where", "session"), CONSOLE, ids=[w for w, _ in CONSOLE])
 def test_console_block_runs(where: str, session: str) -> None:
-    commands = [line[2:] for line in session.splitlines() if line.startswith("$ ")]
+    commands: list[str] = []
+    for line in session.splitlines():
+        if line.startswith("$ "):
+            commands.append(line[2:])
+        elif (line.startswith("> ") or line == ">") and commands:
+            commands[-1] += "\n" + line[2:]
     assert commands, f"{where}: a ```console block needs '$ ' command lines"
     script = "set -euo pipefail\n" + "\n".join(commands) + "\n"
     result = subprocess.run(["bash", "-c", script], cwd=ROOT, env=_env(),
