@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -90,8 +92,18 @@ def test_console_block_runs(where: str, session: str) -> None:
             commands[-1] += "\n" + line[2:]
     assert commands, f"{where}: a ```console block needs '$ ' command lines"
     script = "set -euo pipefail\n" + "\n".join(commands) + "\n"
-    result = subprocess.run(["bash", "-c", script], cwd=ROOT, env=_env(),
-                            capture_output=True, text=True, timeout=TIMEOUT)
+    # Its own session, so that a server the block left in the background
+    # (the block failed before stopping it) is stopped with it.
+    process = subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=_env(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=TIMEOUT)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.communicate()
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert result.returncode == 0, (
         f"{where} exited with {result.returncode}\n--- script\n{script}"
         f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
