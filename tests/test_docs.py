@@ -59,7 +59,7 @@ def test_the_docs_have_runnable_blocks() -> None:
     # Guards the extraction itself: a broken pattern would make every
     # parametrized test below vanish instead of fail.
     pages_with_python = {where.split(":")[0] for where, _ in PYTHON}
-    assert {"docs/quickstart.md", "docs/rpc.md"} <= pages_with_python
+    assert {"docs/quickstart.md", "docs/rpc.md", "docs/observability.md"} <= pages_with_python
     assert CONSOLE, "no ```console block found"
 
 
