@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")
 
 
+#: Seconds the client's own deadline timer waits past the deadline.
+_DEADLINE_GRACE = 0.05
+
+
 def connect(address: str, *, config: ClientConfig | None = None, **options: Any) -> Client:
     """A client for the server at ``address``.
 
@@ -368,6 +372,8 @@ class Client:
             result = _result(message, method)
             error = False
             return result
+        except DeadlineExceeded:
+            raise  # the server's own, with its message and traceback
         except TimeoutError:
             raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
         finally:
@@ -394,7 +400,9 @@ class Client:
         """
         loop = session.loop
         call_id, pending = self._register(session, metrics, streaming=False)
-        session.watch(call_id, deadline)
+        # The server enforces the same deadline; waiting a moment longer lets
+        # its DEADLINE_EXCEEDED, which says where the time went, arrive first.
+        session.watch(call_id, deadline + _DEADLINE_GRACE)
         pump: asyncio.Task[None] | None = None
         try:
             remaining = max(deadline - loop.time(), 0.0)
@@ -484,6 +492,8 @@ class Client:
             finally:
                 session.slots.release()
             error = False
+        except DeadlineExceeded:
+            raise  # the server's own, with its message and traceback
         except TimeoutError:
             raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
         finally:

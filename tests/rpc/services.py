@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from tensorwire import rpc
-from tensorwire.errors import NotFound
+from tensorwire.errors import DeadlineExceeded, NotFound
 
 
 class Store(rpc.Service):
@@ -53,6 +53,11 @@ class Store(rpc.Service):
             "root_dtype": str(root.dtype),
             "address": int(value.ctypes.data),
         }
+
+    @rpc.method
+    async def expire(self, text: str) -> None:
+        """A handler's own deadline error, with its own message."""
+        raise DeadlineExceeded(text)
 
     @rpc.method
     async def boom(self, key: str) -> None:

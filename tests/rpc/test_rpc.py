@@ -114,9 +114,16 @@ async def test_deadline_travels_to_the_server(url: str) -> None:
         # The client waits a little longer than the server, so the server's
         # deadline fires first and its DEADLINE_EXCEEDED is what arrives.
         task = asyncio.create_task(client.call("Store.sleep", 30, "srv", timeout=0.3))
-        with pytest.raises(DeadlineExceeded):
+        with pytest.raises(DeadlineExceeded, match=r"within its deadline of 0\.\d+ s"):
             await task
         assert store.cancelled == ["srv"]
+
+
+async def test_a_handlers_own_deadline_error_keeps_its_message(url: str) -> None:
+    async with serving(url, Store()) as server, tw.connect(server.addresses[0]) as client:
+        with pytest.raises(DeadlineExceeded, match="the backend took too long") as caught:
+            await client.call("Store.expire", "the backend took too long")
+        assert "Traceback" in caught.value.remote_traceback
 
 
 async def test_cancelling_the_caller_cancels_the_handler(url: str) -> None:
