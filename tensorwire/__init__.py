@@ -4,7 +4,7 @@
 torch are imported when an address or a tensor needs them.
 """
 
-from . import errors, rpc, serde, transports
+from . import collective, errors, ps, rpc, serde, transports
 from ._version import __version__
 from .errors import RemoteError, TensorwireError
 from .rpc import Client, ClientConfig, Server, ServerConfig, connect
@@ -17,8 +17,10 @@ __all__ = (
     "ServerConfig",
     "TensorwireError",
     "__version__",
+    "collective",
     "connect",
     "errors",
+    "ps",
     "rpc",
     "serde",
     "transports",
