@@ -107,3 +107,20 @@ def test_console_block_runs(where: str, session: str) -> None:
     assert result.returncode == 0, (
         f"{where} exited with {result.returncode}\n--- script\n{script}"
         f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+
+
+def test_comparison_quotes_only_the_results_files() -> None:
+    # docs/comparison.md may quote a figure only from the bench/results file
+    # its section cites; a rerun of a benchmark that changes the figures
+    # fails this test until the page is brought up to date.
+    text = (ROOT / "docs" / "comparison.md").read_text()
+    checked = 0
+    for section in re.split(r"^### ", text, flags=re.M):
+        cited = re.search(r"From `(bench/results/[\w.]+\.md)`", section)
+        if cited is None:
+            continue
+        source = (ROOT / cited.group(1)).read_text()
+        for number in re.findall(r"(?<![\w.,])(?:\d+\.\d+|\d{1,3}(?:,\d{3})+)", section):
+            assert number in source, f"comparison.md quotes {number}, not in {cited.group(1)}"
+            checked += 1
+    assert checked >= 30, f"only {checked} figures found: did the sections change shape?"
