@@ -182,6 +182,59 @@ def run_raw(url: str, megabytes: int, rounds: int) -> dict[str, float]:
             server.kill()
 
 
+def allreduce_rank(rank: int, workers: int, master: str, url: str, megabytes: int, rounds: int,
+                   results: Any) -> None:
+    async def main() -> None:
+        from tensorwire.collective import Group
+
+        group = await Group.create(rank=rank, world_size=workers, master=master, listen=url,
+                                   host_master=False)
+        # The whole model as one bucket, as data-parallel training reduces it.
+        flat = np.concatenate(list(_model(megabytes).values()))
+        await group.allreduce(flat)
+        times = []
+        for _ in range(rounds):
+            await group.barrier()
+            start = time.perf_counter()
+            await group.allreduce(flat)
+            times.append(time.perf_counter() - start)
+        await group.close()
+        results.put(statistics.median(times))
+
+    _loop_run(main())
+
+
+def run_allreduce(url: str, workers: int, megabytes: int, rounds: int) -> float:
+    """Per worker GB/s of a ring allreduce of the model: 2 x model bytes / time,
+    counted as push_pull counts its bytes."""
+    import threading
+
+    from tensorwire.collective import serve_rendezvous
+
+    loop = asyncio.new_event_loop()
+    server, master = loop.run_until_complete(serve_rendezvous("tcp://127.0.0.1:0", workers))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=allreduce_rank,
+                         args=(r, workers, master, url, megabytes, rounds, results))
+             for r in range(workers)]
+    try:
+        for p in procs:
+            p.start()
+        seconds = statistics.median(results.get(timeout=600) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        asyncio.run_coroutine_threadsafe(server.close(grace=0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+    return 2 * len(_model(megabytes)) * TENSOR / seconds / 1e9
+
+
 def run_ps(url: str, workers: int, shards: int, megabytes: int, rounds: int,
            message_mib: int = 8) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
@@ -278,11 +331,12 @@ def main() -> None:
             "",
             "| workers | shards | raw one way | raw echo | push per worker | push aggregate | "
             "pull per worker | pull aggregate | push_pull per worker | push_pull aggregate | "
-            "push_pull aggregate / raw echo |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "push_pull aggregate / raw echo | ring allreduce per worker |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         single = []
         for workers in counts:
+            ring = run_allreduce(url, workers, args.megabytes, rounds) if workers > 1 else None
             for shards in counts:
                 # The raw transport just before each configuration: this
                 # shared host's load changes within a run.
@@ -298,7 +352,8 @@ def main() -> None:
                 lines.append(
                     f"| {workers} | {shards} | {raw['oneway']:.2f} | {raw['echo']:.2f} | "
                     f"{row['push'][0]:.2f} | {row['push'][1]:.2f} | {row['pull'][0]:.2f} | "
-                    f"{row['pull'][1]:.2f} | {pp[0]:.2f} | {pp[1]:.2f} | {ratio:.0%} |")
+                    f"{row['pull'][1]:.2f} | {pp[0]:.2f} | {pp[1]:.2f} | {ratio:.0%} | "
+                    f"{'—' if ring is None else f'{ring:.2f}'} |")
         lines += ["", f"One worker, push_pull over the raw echo: median "
                   f"{statistics.median(single):.0%} (from {min(single):.0%} to "
                   f"{max(single):.0%}) over 1-{counts[-1]} shards; target 80%."]
@@ -349,8 +404,10 @@ def main() -> None:
         "push_pull throughput (all workers' bytes over the phase's wall time; with one "
         "worker, that worker's) by the raw echo of one connection. With several workers "
         "there are several connections, which together can beat one.",
-        "- No ring-allreduce column yet: tensorwire.collective was being built alongside "
-        "this benchmark.",
+        "- Ring allreduce: the same model as one float32 bucket, allreduced by as many "
+        "processes as there are workers (tensorwire.collective over the same transport, no "
+        "shards), counted as push_pull counts: 2 x model bytes per call per worker; "
+        "median of the rounds.",
         "",
         "\n\n".join(sections),
         "",

@@ -358,7 +358,9 @@ def _hint(exc: BaseException, args: argparse.Namespace) -> str:
         return f"is a tensorwire server running{where}? check the host and port"
     if isinstance(exc, NotFound) and "service" in str(exc):
         return "tensorwire ls URL lists what the server hosts"
-    if isinstance(exc, TransportError) and "bind" in str(exc).lower():
+    text = str(exc).lower()
+    if isinstance(exc, TransportError) and ("in use" in text or "cannot listen" in text
+                                            or "bind" in text):
         return "the port is in use or the address is not this host's; try port 0"
     if isinstance(exc, RemoteError) and exc.remote_traceback:
         return "the remote traceback follows with --verbose"

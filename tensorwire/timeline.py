@@ -2,9 +2,10 @@
 
 Open the file it writes in Perfetto (ui.perfetto.dev) or chrome://tracing to
 see where a training step's communication time went: one row per process,
-one slice per collective operation (and per RPC call or parameter-server
-push/pull where those are given the timeline), with sizes and peers in the
-slice's arguments. Horovod's timeline is the model.
+one slice per collective operation of a group given the timeline
+(``GroupConfig(timeline=...)``), with its call, sequence number and bytes in
+the slice's arguments. Horovod's timeline is the model. RPC calls and
+parameter-server pushes and pulls do not record spans yet.
 
 ::
 

@@ -145,3 +145,11 @@ def test_bench_bad_sizes() -> None:
     result = run("bench", "p2p", "--sizes", "8,lots")
     assert result.returncode == 1
     assert "bad size 'lots'" in result.stderr
+
+
+def test_a_port_in_use(served: str) -> None:
+    result = run("serve", "tests.rpc.services:Store", "--listen", served)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert "Address already in use" in lines[0]
+    assert lines[1] == "  hint: the port is in use or the address is not this host's; try port 0"

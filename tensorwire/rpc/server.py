@@ -545,7 +545,7 @@ class _Call:
                         raise
                     raise DeadlineExceeded(
                         f"{request.method} did not finish within its deadline "
-                        f"of {request.timeout} s"
+                        f"of {request.timeout:.3g} s"
                     ) from None
                 finally:
                     if timer is not None:

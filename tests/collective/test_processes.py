@@ -123,3 +123,5 @@ async def test_a_dead_rank_fails_the_others_promptly(listen: str) -> None:
         assert failure["ranks"] == [2], failure
         # Far inside the 60 s deadline: the failure is detected, not waited out.
         assert failure["seconds"] < 10, failure
+    print(f"dead rank over {listen}: the others failed after "
+          + ", ".join(f"{f['seconds'] * 1000:.0f} ms" for f in failures))

@@ -150,6 +150,9 @@ async def test_a_cut_link_fails_the_collective_naming_the_rank(bed: Testbed) -> 
         assert failure["at"] - cut < 10, failure
     # Host 2 itself learns it lost the others (rank 0's rendezvous went silent).
     assert failures[2]["at"] - cut < 10, failures[2]
+    # Seen with -s; docs/reliability.md quotes these.
+    print("link cut: detected after " + ", ".join(
+        f"rank {r} {failures[r]['at'] - cut:.2f} s ({failures[r]['error']})" for r in (0, 1, 2)))
 
 
 @pytest.mark.slow
@@ -180,6 +183,14 @@ async def test_rpc_across_a_link_that_flaps(bed: Testbed) -> None:
     assert all(c["took"] < 3 for c in calls), max(c["took"] for c in calls)
     # The client reconnects by itself once the link is back.
     assert after and all(c["outcome"] == "ok" for c in after), after
+    first_failure = min(c["at"] + c["took"] for c in calls if c["outcome"] != "ok")
+    back = min(c["at"] for c in calls if c["at"] > up and c["outcome"] == "ok")
+    failed = [c for c in calls if c["outcome"] != "ok"]
+    print(f"link flap: first failure {first_failure - down:.2f} s after the cut, first success "
+          f"{back - up:.2f} s after the link came back; {len(failed)} of {len(calls)} calls "
+          f"failed ({sorted({c['outcome'] for c in failed})}), "
+          f"{sum(1 for c in failed if tally.get(c['key']) == 1)} of them applied once, "
+          "none twice")
     # Nothing acknowledged is lost, nothing is applied twice.
     assert all(tally.get(c["key"]) == 1 for c in calls if c["outcome"] == "ok")
     assert all(count == 1 for count in tally.values())

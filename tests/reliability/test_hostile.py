@@ -128,7 +128,10 @@ def test_fuzzed_input_never_takes_the_server_down(server: Server) -> None:
         fuzz()
     assert failures == []
     # The limits (4 MiB a message) bound what hostile peers make it hold.
-    assert server.rss() - before < 64 << 20, (before, server.rss())
+    grew = server.rss() - before
+    assert grew < 64 << 20, (before, server.rss())
+    print(f"fuzz: 300 hostile connections, the good client never failed, server RSS "
+          f"{grew / 2**20:+.1f} MiB")
 
 
 def test_a_slow_loris_is_dropped_after_the_handshake_timeout(server: Server) -> None:
@@ -150,6 +153,7 @@ def test_a_slow_loris_is_dropped_after_the_handshake_timeout(server: Server) -> 
             closed_after = time.monotonic() - started
     # handshake_timeout is 1 s; the trickle would have taken 2.1 s and more.
     assert closed_after < 3.0
+    print(f"slow handshake dropped after {closed_after:.2f} s")
 
 
 def test_a_half_sent_rpc_handshake_is_dropped(server: Server) -> None:
@@ -197,3 +201,4 @@ def test_a_message_trickled_after_the_handshake_is_dropped(server: Server) -> No
         elapsed = time.monotonic() - started
     assert dropped, f"still connected after trickling for {elapsed:.1f} s"
     assert elapsed < 8.0, elapsed
+    print(f"trickled message dropped after {elapsed:.2f} s")
