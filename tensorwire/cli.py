@@ -294,6 +294,7 @@ def _bench_local(args: argparse.Namespace, url: str, sizes: list[int]) -> list[A
     """Run the sweep against peers started here."""
     import io
     import subprocess
+    import threading
 
     from . import _bench
 
@@ -307,19 +308,31 @@ def _bench_local(args: argparse.Namespace, url: str, sizes: list[int]) -> list[A
              "--sizes", sizes_arg], args.nproc, listen=url, output=out))
         if result.exit_code != 0:
             raise TensorwireError(f"the allreduce ranks failed:\n{out.getvalue()[-2000:]}")
-        (line,) = [x for x in out.getvalue().splitlines() if x.startswith("[rank 0] [")]
-        return [_bench.Row(**r) for r in json.loads(line.removeprefix("[rank 0] "))]
+        found = [x for x in out.getvalue().splitlines() if x.startswith("[rank 0] [")]
+        if len(found) != 1:
+            raise TensorwireError(f"rank 0 printed no results:\n{out.getvalue()[-2000:]}")
+        return [_bench.Row(**r) for r in json.loads(found[0].removeprefix("[rank 0] "))]
     peer = subprocess.Popen([sys.executable, "-m", "tensorwire", "bench", args.what, "--serve",
                              "--listen", url], stdout=subprocess.PIPE, text=True)
+    # A peer that hangs before saying where it listens is killed, which ends
+    # the readline below.
+    watchdog = threading.Timer(60, peer.kill)
+    watchdog.start()
     try:
         assert peer.stdout is not None
         line = peer.stdout.readline()
+        watchdog.cancel()
         if not line.startswith("listening on "):
             raise TensorwireError(f"the {args.what} peer on {url} did not start")
         return asyncio.run(_bench_sweep(args.what, line.split()[-1], sizes))
     finally:
+        watchdog.cancel()
         peer.terminate()
-        peer.wait(30)
+        try:
+            peer.wait(30)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
         if peer.stdout is not None:
             peer.stdout.close()
 

@@ -53,15 +53,17 @@ def prometheus_text(sources: Mapping[str, Source]) -> str:
             for name, values in snapshot.items():
                 lines.append(f'{metric}{{source="{_label(source)}",name="{_label(name)}"}} '
                              f"{int(values.get(key, 0))}")
-    metric = "tensorwire_latency_seconds"
-    lines += [f"# HELP {metric} Latency quantiles, exact to about 15 %.",
-              f"# TYPE {metric} gauge"]
-    for source, snapshot in snapshots.items():
-        for name, values in snapshot.items():
-            for key, quantile in _QUANTILES:
+    for key, quantile in _QUANTILES:
+        # Gauges of their own: the "quantile" label belongs to summaries,
+        # which also need a sum these sources do not keep.
+        metric = f"tensorwire_latency_{key}_seconds"
+        lines += [f"# HELP {metric} Latency at quantile {quantile}, exact to about 15 %.",
+                  f"# TYPE {metric} gauge"]
+        for source, snapshot in snapshots.items():
+            for name, values in snapshot.items():
                 if values.get(key) is not None:
-                    lines.append(f'{metric}{{source="{_label(source)}",name="{_label(name)}",'
-                                 f'quantile="{quantile}"}} {float(values[key]):.9g}')
+                    lines.append(f'{metric}{{source="{_label(source)}",name="{_label(name)}"}} '
+                                 f"{float(values[key]):.9g}")
     return "\n".join(lines) + "\n"
 
 
@@ -101,14 +103,18 @@ async def serve_metrics(host: str, port: int, sources: Mapping[str, Source]) -> 
             parts = request.decode("latin-1").split()
             assert endpoint is not None
             if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                status, body = "200 OK", prometheus_text(endpoint.sources).encode()
                 kind = "text/plain; version=0.0.4; charset=utf-8"
+                try:
+                    status, body = "200 OK", prometheus_text(endpoint.sources).encode()
+                except Exception:
+                    logger.exception("a metrics source failed")
+                    status, body = "500 Internal Server Error", b"a metrics source failed\n"
             else:
                 status, body, kind = "404 Not Found", b"try /metrics\n", "text/plain"
             writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: "
                          f"{len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
             await writer.drain()
-        except (TimeoutError, ConnectionError, UnicodeDecodeError) as exc:
+        except (TimeoutError, ConnectionError, UnicodeDecodeError, ValueError) as exc:
             logger.debug("metrics request failed: %s", exc)
         finally:
             writer.close()

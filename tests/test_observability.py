@@ -16,7 +16,7 @@ from tensorwire.timeline import Timeline
 
 from .rpc.services import Store
 
-SAMPLE = re.compile(r'^[a-z_]+\{source="[^"]*",name="[^"]*"(,quantile="[0-9.]+")?\} [0-9.e+-]+$')
+SAMPLE = re.compile(r'^[a-z0-9_]+\{source="[^"]*",name="[^"]*"\} [0-9.e+-]+$')
 
 
 async def test_collective_metrics_and_timeline(tmp_path: Path) -> None:
@@ -72,6 +72,7 @@ async def test_prometheus_text_and_endpoint() -> None:
         text = prometheus_text({"rpc_server": server.metrics, "rpc_client": client.metrics})
         assert 'tensorwire_calls_total{source="rpc_server",name="Store.get"} 1' in text
         assert 'tensorwire_calls_total{source="rpc_client",name="Store.put"} 1' in text
+        assert 'tensorwire_latency_p99_seconds{source="rpc_server",name="Store.get"} ' in text
         for line in text.splitlines():
             assert line.startswith("# ") or SAMPLE.match(line), line
         async with await serve_metrics("127.0.0.1", 0, {"rpc_server": server.metrics}) as endpoint:

@@ -234,7 +234,8 @@ class Runtime:
         master_host, _ = parse_host_port(master.partition("://")[2], "tcp")
         scheme, _, rest = listen.partition("://")
         listen_host = parse_host_port(rest, scheme)[0]
-        host = advertised_host(listen_host, master_host)
+        # May resolve a host name: not on the event loop.
+        host = await asyncio.to_thread(advertised_host, listen_host, master_host)
         self._listener = await transports.listen(listen, self._accept,
                                                  config=self.config.transport)
         data_address = self._listener.address

@@ -143,7 +143,6 @@ class Group:
         self._p2p_out: dict[int, Connection] = {}
         self._p2p_in: dict[int, Connection] = {}
         self._p2p_locks: dict[tuple[str, int], asyncio.Lock] = {}
-        self._p2p_counts: dict[tuple[str, int], int] = {}
         self._queue: deque[_Op] = deque()
         self._worker: asyncio.Task[None] | None = None
         self._seq = 0
@@ -781,7 +780,7 @@ class Group:
         allocated when not given; receives land in it directly. Small arrays
         use Bruck's algorithm, large ones the ring.
         """
-        flat = flatten(x, writable=False)
+        flat = _c_ordered(flatten(x, writable=False), "allgather")
         n = self.world_size
         shape = (n, *flat.shape)
         target = _output(flat, out, shape)
@@ -862,7 +861,7 @@ class Group:
                timeout: float | None = None) -> asyncio.Future[Any]:
         """Every rank's ``x`` stacked on ``root`` (``None`` elsewhere)."""
         _check_root(root, self.world_size)
-        flat = flatten(x, writable=False)
+        flat = _c_ordered(flatten(x, writable=False), "gather")
         n = self.world_size
         shape = (n, *flat.shape)
         target: Flat | None = None
@@ -889,13 +888,13 @@ class Group:
         """Part ``r`` of ``parts`` (on ``root``, shape ``(world_size, *out.shape)``)
         into ``out`` on rank ``r``; returns ``out``."""
         _check_root(root, self.world_size)
-        flat = flatten(out, name="out")
+        flat = _c_ordered(flatten(out, name="out"), "scatter")
         n = self.world_size
         source: Flat | None = None
         if self.rank == root:
             if parts is None:
                 raise InvalidArgument("the root of a scatter must pass parts")
-            source = flatten(parts, writable=False, name="parts")
+            source = _c_ordered(flatten(parts, writable=False, name="parts"), "scatter")
             if source.shape != (n, *flat.shape) or source.dtype != flat.dtype:
                 raise InvalidArgument(
                     f"parts must be a {flat.dtype} array of shape {(n, *flat.shape)}")
@@ -965,6 +964,11 @@ class Group:
         if not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
             raise InvalidArgument(f"{name} must be another rank of the group, got {peer!r}")
 
+    def _p2p_timeout(self, timeout: float | None) -> float:
+        if timeout is not None and not timeout > 0:
+            raise InvalidArgument(f"timeout must be positive, got {timeout!r}")
+        return self.config.timeout if timeout is None else timeout
+
     def _usable(self) -> None:
         if self._closed:
             raise CollectiveError(f"group {self.id} is closed")
@@ -977,12 +981,14 @@ class Group:
         Point-to-point messages run outside the collective order: a pair's
         messages are matched in the order they were sent, and the ``tag``
         and array description must match the receiver's (else
-        ``MismatchError``).
+        ``MismatchError``). A send that times out once its bytes started to
+        go is still delivered (the transport finishes the message, which
+        keeps the pair's stream in step); one that had not started is not.
         """
         self._usable()
         self._check_peer(dst, "dst")
         flat = flatten(x, writable=False)
-        limit = timeout or self.config.timeout
+        limit = self._p2p_timeout(timeout)
         try:
             async with self._p2p_lock("send", dst), asyncio.timeout(limit):
                 conn = self._p2p_out.get(dst)
@@ -993,13 +999,11 @@ class Group:
                         raise RankFailedError(f"group {self.id}: cannot reach rank {dst}: {exc}",
                                               ranks=(dst,)) from exc
                     self._p2p_out[dst] = conn
-                count = self._p2p_counts.get(("send", dst), 0)
-                header = _HEAD.pack(count, tag & 0xFFFF_FFFF) + f"p2p({flat.describe()})".encode()
+                header = _HEAD.pack(0, tag & 0xFFFF_FFFF) + f"p2p({flat.describe()})".encode()
                 try:
                     await conn.send([header, flat.frame(flat.array)])
                 except ConnectionClosedError as exc:
                     raise await self._lost(dst, exc) from exc
-                self._p2p_counts[("send", dst)] = count + 1
         except TimeoutError:
             raise CollectiveTimeout(
                 f"group {self.id}: rank {dst} did not take the message (tag {tag}) within "
@@ -1009,6 +1013,10 @@ class Group:
                    timeout: float | None = None) -> Any:
         """Receive rank ``src``'s next ``send`` straight into ``out``; returns ``out``.
 
+        A receive that times out while its message is arriving leaves that
+        message to the next ``recv`` (which gets a copy of it), but ``out``
+        may still be written after the timeout.
+
         Raises:
             MismatchError: the message has another tag, dtype or shape.
             CollectiveTimeout: nothing arrived in time.
@@ -1017,20 +1025,21 @@ class Group:
         self._usable()
         self._check_peer(src, "src")
         flat = flatten(out, name="out")
-        limit = timeout or self.config.timeout
+        limit = self._p2p_timeout(timeout)
         try:
             async with self._p2p_lock("recv", src), asyncio.timeout(limit):
                 conn = self._p2p_in.get(src)
                 if conn is None:
                     conn = await self._runtime.incoming(self.id, self._members[src], "p2p")
                     self._p2p_in[src] = conn
-                count = self._p2p_counts.get(("recv", src), 0)
                 sig = f"p2p({flat.describe()})".encode()
-                expected = _HEAD.pack(count, tag & 0xFFFF_FFFF) + sig
+                expected = _HEAD.pack(0, tag & 0xFFFF_FFFF) + sig
                 frame = flat.frame(flat.array)
 
                 def allocate(info: FrameInfo) -> Any:
-                    if info.index == 1 and info.nbytes == flat.nbytes:
+                    if info.index == 1 and info.nbytes == flat.nbytes and (
+                        (info.device == "cuda") == (flat.device == "cuda")
+                    ):
                         return frame
                     return default_allocator(info)
 
@@ -1038,7 +1047,6 @@ class Group:
                     got = await conn.recv(allocator=allocate)
                 except ConnectionClosedError as exc:
                     raise await self._lost(src, exc) from exc
-                self._p2p_counts[("recv", src)] = count + 1
         except TimeoutError:
             raise CollectiveTimeout(
                 f"group {self.id}: nothing from rank {src} (tag {tag}) within {limit} s",
@@ -1107,6 +1115,18 @@ class Group:
 
     def __repr__(self) -> str:
         return f"<Group {self.id} rank {self.rank} of {self.world_size}>"
+
+
+def _c_ordered(flat: Flat, operation: str) -> Flat:
+    """``flat`` if its array is C-ordered: operations that stack or split
+    arrays along their first axis index them in C order.
+
+    Raises:
+        InvalidArgument: a Fortran-ordered array.
+    """
+    if flat.order != "C" and len(flat.shape) > 1:
+        raise InvalidArgument(f"{operation} needs C-ordered arrays (np.ascontiguousarray)")
+    return flat
 
 
 def _output(like: Flat, out: Any, shape: tuple[int, ...]) -> Flat:

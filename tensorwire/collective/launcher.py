@@ -28,6 +28,9 @@ __all__ = ("LaunchResult", "launch")
 
 logger = logging.getLogger(__name__)
 
+#: A longer line is passed on in pieces.
+_LONGEST_LINE = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LaunchResult:
@@ -132,9 +135,21 @@ def _forward_signals(loop: asyncio.AbstractEventLoop,
 async def _supervise(children: list[asyncio.subprocess.Process], out: TextIO,
                      grace: float) -> LaunchResult:
     async def relay(rank: int, child: asyncio.subprocess.Process) -> None:
+        # By chunks, not readline(): a line longer than the stream's limit
+        # would end the relay and leave the child blocked on a full pipe.
         assert child.stdout is not None
-        async for line in child.stdout:
-            out.write(f"[rank {rank}] {line.decode(errors='replace').rstrip()}\n")
+        pending = b""
+        while chunk := await child.stdout.read(1 << 16):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            if len(pending) > _LONGEST_LINE:
+                lines.append(pending)
+                pending = b""
+            for line in lines:
+                out.write(f"[rank {rank}] {line.decode(errors='replace').rstrip()}\n")
+            out.flush()
+        if pending:
+            out.write(f"[rank {rank}] {pending.decode(errors='replace').rstrip()}\n")
             out.flush()
 
     relays = [asyncio.ensure_future(relay(r, c)) for r, c in enumerate(children)]

@@ -130,6 +130,15 @@ async def test_bad_arguments_are_refused_before_anything_is_sent(trio: list[Grou
         group.allreduce(np.array([None, 1], dtype=object))
     with pytest.raises(InvalidArgument, match="another rank"):
         await group.send(np.zeros(1), 0)
+    fortran = np.asfortranarray(np.zeros((2, 3)))
+    with pytest.raises(InvalidArgument, match="C-ordered"):
+        group.allgather(fortran)
+    with pytest.raises(InvalidArgument, match="C-ordered"):
+        group.gather(fortran)
+    with pytest.raises(InvalidArgument, match="C-ordered"):
+        group.scatter(fortran)
+    with pytest.raises(InvalidArgument, match="timeout"):
+        await group.recv(np.zeros(1), 1, timeout=0)
     # Nothing was queued: the group still runs the next operation on every rank.
     xs = [np.ones(3) for _ in trio]
     await asyncio.gather(*(g.allreduce(x) for g, x in zip(trio, xs, strict=True)))

@@ -94,3 +94,11 @@ async def test_bad_arguments() -> None:
         await launch([], 2)
     with pytest.raises(ConfigError, match="at least one"):
         await launch([sys.executable], 0)
+
+
+async def test_a_line_longer_than_a_pipe_buffer_is_passed_on() -> None:
+    out = io.StringIO()
+    script = "print('x' * 300_000); print('done')"
+    result = await launch([sys.executable, "-c", script], 1, output=out)
+    assert result.exit_code == 0
+    assert out.getvalue().splitlines() == ["[rank 0] " + "x" * 300_000, "[rank 0] done"]
