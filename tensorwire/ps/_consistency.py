@@ -110,9 +110,9 @@ class Clocks:
 
         ``seen`` is the clock of the worker's latest read of these chunks.
         Returns the decision and, in sync mode, the chunks whose partly
-        collected step was dropped: a chunk behind ``seen``, or behind
-        ``clock`` with nothing of its current step collected, lost steps
-        (the shard restarted from an older checkpoint) and jumps ahead.
+        collected step was dropped: a chunk behind ``seen`` lost steps (the
+        shard restarted from an older checkpoint) and jumps ahead. A push
+        ahead of a chunk's step otherwise waits for that step to complete.
 
         Raises:
             InvalidArgument: unknown worker or chunk, or a negative clock.
@@ -130,10 +130,12 @@ class Clocks:
                         dropped.append(key)
                     self._skip(chunk, seen)
                 if clock > chunk.step:
-                    if chunk.done:
-                        wait = True
-                        continue
-                    self._skip(chunk, clock)
+                    # Ahead of the chunk: the rest of the current step is on
+                    # its way (pushes may arrive out of order after a retry).
+                    # Only a worker that has read a later step (``seen``,
+                    # above) proves the shard restarted from an older one.
+                    wait = True
+                    continue
                 if clock == chunk.step and worker not in chunk.done:
                     fresh = True
             elif clock >= chunk.taken[worker]:

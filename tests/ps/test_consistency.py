@@ -60,9 +60,25 @@ def test_chunks_keep_their_own_steps() -> None:
 def test_sync_skips_ahead_when_a_restored_shard_lost_steps() -> None:
     c = Clocks("sync", 2)
     c.restore({"a#0": {"taken": [3, 3], "step": 3}})
-    assert c.admit(1, 7, K) == (Decision.APPLY, [])
+    # The worker has read step 7: proof that this shard restarted from an older one.
+    assert c.admit(1, 7, K, seen=7) == (Decision.APPLY, [])
     assert c.step == 7 and c.lost_steps == 4
     assert c.ready(0, 7, K) and not c.ready(0, 8, K)
+
+
+def test_sync_push_arriving_before_the_one_it_follows_waits() -> None:
+    # A retried push can overtake its predecessor: step 1 of worker 0 comes
+    # before its step 0. It must wait, not skip step 0 (losing every worker's
+    # gradient of it).
+    c = clocks("sync", 2)
+    assert c.admit(0, 1, K)[0] is Decision.WAIT
+    assert c.lost_steps == 0
+    for worker in (0, 1):
+        assert c.admit(worker, 0, K)[0] is Decision.APPLY
+        take(c, worker, 0)
+    c.advance("a#0")
+    assert c.admit(0, 1, K)[0] is Decision.APPLY
+    assert c.step == 1 and c.lost_steps == 0
 
 
 def test_ssp_lets_a_worker_run_staleness_steps_ahead() -> None:
