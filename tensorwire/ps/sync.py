@@ -14,14 +14,13 @@ communication overlaps computation::
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import threading
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
+from ..rpc._background import BackgroundLoop
 from ._compress import Compressor
 from ._consistency import Mode
 from ._optim import Optimizer
@@ -56,12 +55,9 @@ class SyncClient:
         compression: str | Compressor | None = None,
         config: PSConfig | None = None,
     ) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name=f"tensorwire-ps worker {worker}", daemon=True)
-        self._thread.start()
-        self._lock = threading.Lock()
-        self._closed = False
+        self._background = BackgroundLoop(f"tensorwire-ps worker {worker}")
+        self._run = self._background.run
+        self._wait = self._background.wait
         try:
             self._client: PSClient = self._run(connect(
                 addresses, worker=worker, num_workers=num_workers, optimizer=optimizer,
@@ -69,7 +65,7 @@ class SyncClient:
                 config=config,
             )).result()
         except BaseException:
-            self._stop_loop()
+            self._background.close()
             raise
 
     @property
@@ -82,26 +78,11 @@ class SyncClient:
         """See :attr:`PSClient.imbalance`."""
         return self._client.imbalance
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        with self._lock:
-            if self._closed:
-                coro.close()
-                raise RuntimeError("the SyncClient is closed")
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
     def _start(self, make: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
         async def run() -> T:
             return await make()
 
         return self._run(run())
-
-    @staticmethod
-    def _wait(future: concurrent.futures.Future[T]) -> T:
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()
-            raise
 
     def init(self, params: Mapping[str, Array]) -> dict[str, Array]:
         """See :meth:`PSClient.init`."""
@@ -142,20 +123,9 @@ class SyncClient:
         return self._wait(self._start(self._client.status))
 
     def close(self) -> None:
-        """Close the shard connections and stop the background thread."""
-        with self._lock:
-            if self._closed:
-                return
-            closing = asyncio.run_coroutine_threadsafe(self._client.close(), self._loop)
-            self._closed = True
-        closing.result()
-        self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        """Close the shard connections, let calls submitted before it end (they fail
+        with ``Unavailable``), and stop the background thread."""
+        self._background.close(self._client.close())
 
     def __enter__(self) -> SyncClient:
         return self

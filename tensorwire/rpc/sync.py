@@ -7,12 +7,11 @@ overlaps computation.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
+from ._background import BackgroundLoop
 from ._proxy import Proxy
 from .client import Client
 from .config import ClientConfig
@@ -21,9 +20,6 @@ __all__ = ("SyncClient",)
 
 S = TypeVar("S")
 T = TypeVar("T")
-
-#: How long close() waits for calls submitted before it to end.
-_CLOSE_WAIT = 10.0
 
 
 class SyncClient:
@@ -40,38 +36,10 @@ class SyncClient:
     """
 
     def __init__(self, address: str, *, config: ClientConfig | None = None) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"tensorwire-client {address}", daemon=True
-        )
-        self._thread.start()
+        self._background = BackgroundLoop(f"tensorwire-client {address}")
         self._client = Client(address, config=config)
-        self._closed = False
-        # Held while scheduling and while closing: a submit() from another
-        # thread either gets in before close() or is refused, never lost.
-        self._lock = threading.Lock()
-        # Scheduled and not yet finished: close() lets them finish (they fail
-        # fast once the client is closed) before it stops the loop.
-        self._running: set[concurrent.futures.Future[Any]] = set()
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        with self._lock:
-            if self._closed:
-                coro.close()
-                raise RuntimeError("the SyncClient is closed")
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-            self._running.add(future)
-        future.add_done_callback(self._running.discard)
-        return future
-
-    @staticmethod
-    def _wait(future: concurrent.futures.Future[T]) -> T:
-        try:
-            return future.result()
-        except BaseException:
-            # Ctrl-C (or any error here) must not leave the call running.
-            future.cancel()
-            raise
+        self._run = self._background.run
+        self._wait = self._background.wait
 
     def connect(self) -> SyncClient:
         """Connect now (calls connect on demand anyway)."""
@@ -116,19 +84,8 @@ class SyncClient:
         return self._run(_value(self._client.metrics)).result()
 
     def close(self) -> None:
-        """Close the connection and stop the background thread."""
-        with self._lock:
-            if self._closed:
-                return
-            closing = asyncio.run_coroutine_threadsafe(self._client.close(), self._loop)
-            self._closed = True
-        closing.result()
-        _, unfinished = concurrent.futures.wait(list(self._running), timeout=_CLOSE_WAIT)
-        for future in unfinished:
-            future.cancel()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        """Close the connection, let calls submitted before it end, stop the thread."""
+        self._background.close(self._client.close())
 
     def __enter__(self) -> SyncClient:
         return self

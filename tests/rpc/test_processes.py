@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tensorwire as tw
-from tensorwire.errors import NotFound, Unavailable
+from tensorwire.errors import FailedPrecondition, NotFound, Unavailable
 from tensorwire.rpc import ClientConfig, SyncClient
 
 from .services import Store
@@ -154,7 +154,7 @@ def test_sync_client_close_while_other_threads_submit_loses_no_future() -> None:
         while not stop.is_set():
             try:
                 futures.append(client.submit("Store.echo", 1))
-            except RuntimeError as exc:  # closed: refused, not lost
+            except FailedPrecondition as exc:  # closed: refused, not lost
                 refused.append(exc)
                 return
 
