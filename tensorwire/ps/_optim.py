@@ -196,7 +196,9 @@ class Aggregate(Optimizer):
 
     def step(self, param: Array, grad: Array, state: State, step: int, *,
              scale: float = 1.0) -> tuple[Array, State]:
-        return _scaled(grad, scale, param.dtype), state
+        # A copy even at scale 1: the gradient may be the received frame, or
+        # over inproc:// the worker's own array, which it will reuse.
+        return np.array(_scaled(grad, scale, param.dtype), copy=True), state
 
 
 _KINDS: dict[str, type[Optimizer]] = {

@@ -118,8 +118,9 @@ class Shard(rpc.Service):
             if self.store is not None and self._since_checkpoint:
                 try:
                     await self.save()
-                except OSError as exc:
-                    logger.error("periodic checkpoint failed: %s", exc)
+                except Exception:
+                    # Whatever went wrong, the next period tries again.
+                    logger.exception("periodic checkpoint failed")
 
     def _condition(self) -> asyncio.Condition:
         if self._changed is None:
@@ -168,8 +169,8 @@ class Shard(rpc.Service):
     async def _save_quietly(self) -> None:
         try:
             await self.save()
-        except OSError as exc:
-            logger.error("checkpoint failed: %s", exc)
+        except Exception:
+            logger.exception("checkpoint failed")
 
     # -- waiting ------------------------------------------------------------------
 
