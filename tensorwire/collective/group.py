@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .._metrics import Metrics
 from ..errors import (
     CollectiveError,
     CollectiveTimeout,
@@ -41,7 +42,6 @@ from ..errors import (
     RankFailedError,
     TransportError,
 )
-from ..rpc._metrics import Metrics
 from ..transports import Connection, FrameInfo, default_allocator
 from . import _schedule as schedule
 from ._arrays import Flat, ReduceOp, flatten

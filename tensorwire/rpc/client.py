@@ -15,6 +15,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Generator
 from typing import Any, TypeVar, cast
 
 from .. import serde
+from .._metrics import MethodMetrics, Metrics
 from ..errors import (
     DeadlineExceeded,
     ProtocolError,
@@ -26,7 +27,6 @@ from ..errors import (
 from ..transports import connect as transport_connect
 from . import protocol
 from ._channel import Channel
-from ._metrics import MethodMetrics, Metrics
 from ._proxy import Proxy
 from ._slots import Slots
 from .config import ClientConfig

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from .. import serde
+from .._metrics import MethodMetrics, Metrics
 from ..errors import (
     ConfigError,
     ConnectionClosedError,
@@ -32,7 +33,6 @@ from ..errors import (
 from ..transports import Connection, Listener, listen
 from . import protocol
 from ._channel import Channel
-from ._metrics import MethodMetrics, Metrics
 from ._slots import Slots
 from .config import ServerConfig
 from .service import (

@@ -1,4 +1,7 @@
-"""Per-method call metrics: counts, bytes, latency percentiles.
+"""Per-name metrics: counts, bytes, latency percentiles.
+
+RPC methods (client and server) and collective operations keep theirs in
+this one shape, which :mod:`tensorwire.metrics` exports.
 
 Latencies go into fixed log-scale buckets (16 per decade, 1 µs to 1000 s),
 so memory stays constant however many calls are made, and a percentile is
