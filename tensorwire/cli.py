@@ -122,6 +122,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+async def _until_stopped() -> None:
+    """Wait for SIGINT or SIGTERM: a server's way to end cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+
+
 async def _serve(args: argparse.Namespace) -> None:
     from . import ps
 
@@ -135,11 +144,7 @@ async def _serve(args: argparse.Namespace) -> None:
         print(f"restored {restored}", flush=True)
     for address in shard.addresses:
         print(f"listening on {address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
+    await _until_stopped()
     await shard.close()
 
 
@@ -174,11 +179,7 @@ async def _serve_services(args: argparse.Namespace) -> int:
     server = Server([_load(spec) for spec in args.services])
     for address in await server.start(*(args.listen or ["tcp://127.0.0.1:0"])):
         print(f"listening on {address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
+    await _until_stopped()
     # Calls in flight get the server's shutdown grace; new ones are refused.
     await server.close()
     return 0
