@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
@@ -153,6 +154,8 @@ class PSClient:
         #: Per batch: the clock of this worker's latest read of its chunks.
         self._seen: list[int] = []
         self._closed = False
+        # Set by close(): wakes calls waiting out a reconnection backoff.
+        self._closing = asyncio.Event()
 
     # -- lifetime -------------------------------------------------------------------
 
@@ -169,6 +172,7 @@ class PSClient:
         """Close the shard connections (the shards keep their state); calls in
         flight fail with ``Unavailable``."""
         self._closed = True
+        self._closing.set()
         await asyncio.gather(*(client.close() for client in self._clients),
                              return_exceptions=True)
 
@@ -225,6 +229,8 @@ class PSClient:
         self._batches = _batches(self._placement, self.config.message_bytes)
         self._seen = [0] * len(self._batches)
         self._last_push.clear()
+        # Residuals of the compressor belong to the old layout.
+        self._feedback = ErrorFeedback(self.compressor)
         logger.info("placed %d tensors as %d chunks on %d shards, imbalance %.3f",
                     len(arrays), len(chunks), len(self._clients), self._placement.imbalance)
         flat = {name: array.reshape(-1) for name, array in arrays.items()}
@@ -371,8 +377,11 @@ class PSClient:
                 if isinstance(result, dict) and LATE in result:
                     raise DeadlineExceeded(f"shard {shard}: {result[LATE]}")
                 return result
-            # A backoff between reconnection attempts, not a wait for an event.
-            await asyncio.sleep(pause)
+            # A backoff between reconnection attempts, cut short by close().
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), pause)
+            if self._closed:
+                raise Unavailable(f"shard {shard}: the client was closed")
             pause = min(pause * 2, 1.0)
             last = self._last_push.get(batch)
             if method in ("pull", "push_pull") and last is not None and last[1] < args[1]:
