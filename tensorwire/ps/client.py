@@ -242,6 +242,13 @@ class PSClient:
                        [c.size for c in b.chunks], self.config.timeout)
             for b in self._batches
         ))
+        for batch, values in zip(self._batches, replies, strict=True):
+            for chunk, value in zip(batch.chunks, values, strict=True):
+                wanted = np.dtype(self._specs[chunk.name].dtype)
+                if np.asarray(value).dtype != wanted:
+                    raise InvalidArgument(
+                        f"{chunk.name!r}: the shards hold {np.asarray(value).dtype}, worker "
+                        f"{self.worker} has {wanted}: the workers disagree on the model")
         return self._assemble(replies)
 
     def push(self, grads: Mapping[str, Array]) -> asyncio.Task[None]:

@@ -172,7 +172,11 @@ async def test_another_job_or_model_is_refused() -> None:
         (bigger,) = await workers(servers, 1)
         with pytest.raises(InvalidArgument):
             await bigger.init({"w": np.zeros((20, 11), np.float32), "b": np.ones(5, np.float32)})
-        for c in (client, other, bigger):
+        (wider,) = await workers(servers, 1)
+        same_shapes = {name: value.astype(np.float64) for name, value in model().items()}
+        with pytest.raises(InvalidArgument, match="float64"):
+            await wider.init(same_shapes)
+        for c in (client, other, bigger, wider):
             await c.close()
 
 
