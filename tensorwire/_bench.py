@@ -2,11 +2,12 @@
 
 ``p2p`` times the transport alone (a message echoed by the peer), ``rpc`` a
 unary call that echoes a tensor, ``allreduce`` the collective over N ranks
-(busbw as nccl-tests defines it). By default the peers are processes started
-here, on loopback; ``--connect URL`` measures against a peer that
-``tensorwire bench p2p --serve --listen URL`` (or ``rpc``) runs on another
-host, and ``allreduce`` under a launcher's environment (torchrun, srun)
-measures the ranks it was started as.
+(busbw as nccl-tests defines it), ``ps`` a parameter-server push_pull. By
+default the peers are processes started here, on loopback. ``--connect URL``
+measures against a peer that ``tensorwire bench p2p --serve --listen URL``
+(or ``rpc``, or ``tensorwire ps serve``) runs on another host, and
+``allreduce`` under a launcher's environment (torchrun, srun) measures the
+ranks it was started as.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, TextIO
 import numpy as np
 
 __all__ = ("Row", "format_table", "parse_sizes", "plot", "sweep_allreduce", "sweep_p2p",
-           "sweep_rpc")
+           "sweep_ps", "sweep_rpc")
 
 DEFAULT_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
@@ -144,6 +145,33 @@ async def sweep_rpc(address: str, sizes: Sequence[int], progress: Progress) -> l
 
             rows.append(_row(size, await _time_round_trips(echo, size)))
             progress.step(_human(size))
+    return rows
+
+
+async def sweep_ps(addresses: Sequence[str], sizes: Sequence[int],
+                   progress: Progress) -> list[Row]:
+    """``push_pull`` of one float32 tensor of each size through the shards at
+    ``addresses`` (one worker, synchronous, SGD with a zero learning rate)."""
+    from . import ps
+
+    rows = []
+    for size in sizes:
+        client = await ps.connect(addresses, worker=0, num_workers=1, optimizer=ps.SGD(lr=0.0))
+        try:
+            name = f"tensorwire.bench.{size}"
+            tensor = np.zeros(max(size // 4, 1), np.float32)
+            await client.init({name: tensor})
+            grads = {name: np.ones_like(tensor)}
+
+            async def step(grads: Any = grads, client: Any = client) -> None:
+                await client.push_pull(grads)
+
+            seconds = await _time_round_trips(step, size)
+        finally:
+            await client.close()
+        # Like the echo: the push sends the bytes and the pull brings them back.
+        rows.append(Row(tensor.nbytes, seconds * 1e6, 2 * tensor.nbytes / seconds / 1e9))
+        progress.step(_human(size))
     return rows
 
 

@@ -78,14 +78,16 @@ def _parser() -> argparse.ArgumentParser:
     ls = commands.add_parser("ls", help="list a server's services and methods")
     ls.add_argument("address", metavar="URL")
 
-    bench = commands.add_parser("bench", help="size sweeps: transport, RPC, allreduce")
-    bench.add_argument("what", choices=["p2p", "rpc", "allreduce"])
+    bench = commands.add_parser("bench", help="size sweeps: transport, RPC, allreduce, "
+                                              "parameter server")
+    bench.add_argument("what", choices=["p2p", "rpc", "allreduce", "ps"])
     bench.add_argument("--sizes", help="bytes, e.g. 8,1K,4M (default 8 B to 64 MiB)")
     bench.add_argument("--listen", action="append", metavar="URL",
                        help="transport to measure (repeatable; default tcp:// and, where "
                             "usable, ucx:// on loopback)")
     bench.add_argument("--connect", metavar="URL",
-                       help="p2p/rpc: measure against a peer another host serves")
+                       help="p2p/rpc: measure against a peer another host serves; ps: the "
+                            "shards, comma-separated")
     bench.add_argument("--serve", action="store_true",
                        help="p2p/rpc: be the peer (on the one --listen address)")
     bench.add_argument("-n", "--nproc", type=int, default=2, help="allreduce: local ranks")
@@ -251,8 +253,9 @@ def _bench(args: argparse.Namespace) -> int:
                                       or "OMPI_COMM_WORLD_RANK" in os.environ):
         return asyncio.run(_bench_rank(args, sizes))
     if args.serve:
-        if args.what == "allreduce":
-            raise ConfigError("--serve is for p2p and rpc; allreduce ranks run under a launcher")
+        if args.what in ("allreduce", "ps"):
+            raise ConfigError("--serve is for p2p and rpc; allreduce ranks run under a "
+                              "launcher, shards under tensorwire ps serve")
         serve = _bench.serve_p2p if args.what == "p2p" else _bench.serve_rpc
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(serve(_bench_urls(args)[0],
@@ -287,6 +290,8 @@ async def _bench_sweep(what: str, address: str, sizes: list[int]) -> list[Any]:
     from . import _bench
 
     progress = _bench.Progress(len(sizes))
+    if what == "ps":
+        return await _bench.sweep_ps(address.split(","), sizes, progress)
     sweep = _bench.sweep_p2p if what == "p2p" else _bench.sweep_rpc
     return await sweep(address, sizes, progress)
 
@@ -313,8 +318,9 @@ def _bench_local(args: argparse.Namespace, url: str, sizes: list[int]) -> list[A
         if len(found) != 1:
             raise TensorwireError(f"rank 0 printed no results:\n{out.getvalue()[-2000:]}")
         return [_bench.Row(**r) for r in json.loads(found[0].removeprefix("[rank 0] "))]
-    peer = subprocess.Popen([sys.executable, "-m", "tensorwire", "bench", args.what, "--serve",
-                             "--listen", url], stdout=subprocess.PIPE, text=True)
+    serve = (["ps", "serve"] if args.what == "ps" else ["bench", args.what, "--serve"])
+    peer = subprocess.Popen([sys.executable, "-m", "tensorwire", *serve, "--listen", url],
+                            stdout=subprocess.PIPE, text=True)
     # A peer that hangs before saying where it listens is killed, which ends
     # the readline below.
     watchdog = threading.Timer(60, peer.kill)

@@ -141,6 +141,15 @@ def test_bench_rpc_and_allreduce_tables() -> None:
         assert busbw == pytest.approx(algbw * 4 / 3)
 
 
+def test_bench_ps_through_a_shard_it_starts() -> None:
+    result = run("bench", "ps", "--sizes", "4K,1M", "--listen", "tcp://127.0.0.1:0", "--json",
+                 timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["size"] for r in rows] == [4096, 1 << 20]
+    assert all(r["latency_us"] > 0 and r["bandwidth_gbs"] > 0 for r in rows)
+
+
 def test_bench_bad_sizes() -> None:
     result = run("bench", "p2p", "--sizes", "8,lots")
     assert result.returncode == 1
