@@ -2,10 +2,11 @@
 
 Open the file it writes in Perfetto (ui.perfetto.dev) or chrome://tracing to
 see where a training step's communication time went: one row per process,
-one slice per collective operation of a group given the timeline
-(``GroupConfig(timeline=...)``), with its call, sequence number and bytes in
-the slice's arguments. Horovod's timeline is the model. RPC calls and
-parameter-server pushes and pulls do not record spans yet.
+one slice per operation of whatever was given the timeline: collective
+operations (``GroupConfig(timeline=...)``), RPC calls on the client and the
+server (``ClientConfig`` / ``ServerConfig(timeline=...)``), and
+parameter-server pushes and pulls (``PSConfig(timeline=...)``), with sizes
+and outcomes in the slice's arguments. Horovod's timeline is the model.
 
 ::
 
@@ -71,6 +72,11 @@ class Timeline:
     def start(self) -> float:
         """A start time to hand to :meth:`finish` (for spans that cross callbacks)."""
         return self._now_us()
+
+    def add_since(self, name: str, category: str, started: float, **args: Any) -> None:
+        """A span from ``started`` (a ``time.perf_counter()`` reading) until now."""
+        now = time.perf_counter()
+        self.add(name, category, (started - self._origin) * 1e6, (now - started) * 1e6, args)
 
     def finish(self, name: str, category: str, start_us: float, **args: Any) -> None:
         self.add(name, category, start_us, self._now_us() - start_us, args)

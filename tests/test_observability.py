@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import tensorwire as tw
 from tensorwire.collective import Group, GroupConfig, serve_rendezvous
@@ -97,3 +98,34 @@ async def fetch(host: str, port: int, path: str) -> tuple[str, str]:
     await writer.wait_closed()
     head, _, body = response.partition("\r\n\r\n")
     return head.splitlines()[0], body
+
+
+async def test_rpc_and_parameter_server_spans() -> None:
+    from tensorwire import ps
+    from tensorwire.rpc import ClientConfig, ServerConfig
+
+    server_side, client_side, worker_side = Timeline(), Timeline(), Timeline()
+    server = tw.Server([Store()], config=ServerConfig(timeline=server_side))
+    (address,) = await server.start("tcp://127.0.0.1:0")
+    async with tw.connect(address, config=ClientConfig(timeline=client_side)) as client:
+        await client.call("Store.put", "k", np.arange(4))
+        with pytest.raises(tw.errors.NotFound):
+            await client.call("Store.get", "missing")
+    await server.close()
+    assert [(e["name"], e["cat"], e["args"]["error"]) for e in client_side.events] == [
+        ("Store.put", "rpc.client", False), ("Store.get", "rpc.client", True)]
+    assert {(e["name"], e["cat"]) for e in server_side.events} == {
+        ("Store.put", "rpc.server"), ("Store.get", "rpc.server")}
+    shard = await ps.serve("tcp://127.0.0.1:0")
+    client = await ps.connect(shard.addresses, worker=0, num_workers=1,
+                              optimizer=ps.SGD(lr=0.1),
+                              config=ps.PSConfig(timeline=worker_side))
+    await client.init({"w": np.zeros(8, np.float32)})
+    await client.push({"w": np.ones(8, np.float32)})
+    await client.pull()
+    await client.push_pull({"w": np.ones(8, np.float32)})
+    await client.close()
+    await shard.close(checkpoint=False)
+    assert [(e["name"], e["args"]["clock"]) for e in worker_side.events] == [
+        ("push", 0), ("pull", 1), ("push_pull", 1)]
+    assert all(e["cat"] == "ps" and e["dur"] > 0 for e in worker_side.events)

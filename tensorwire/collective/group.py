@@ -358,8 +358,7 @@ class Group:
                                     "bytes_out": op.bytes_out}
             if error is not None:
                 args["error"] = repr(error)
-            duration = seconds * 1e6
-            timeline.add(name, "collective", timeline.start() - duration, duration, args)
+            timeline.add_since(name, "collective", started, **args)
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per operation: calls, errors, bytes in and out, latency p50/p90/p99 (s)."""

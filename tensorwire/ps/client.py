@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -332,16 +333,34 @@ class PSClient:
         return clock, payloads
 
     async def _push(self, clock: int, payloads: list[list[Payload]]) -> None:
-        await asyncio.gather(*(self._on_batch(b, "push", clock, items)
-                               for b, items in enumerate(payloads)))
+        with self._span("push", clock):
+            await asyncio.gather(*(self._on_batch(b, "push", clock, items)
+                                   for b, items in enumerate(payloads)))
 
     async def _pull(self, clock: int) -> dict[str, Array]:
-        return self._assemble(await asyncio.gather(*(
-            self._on_batch(b, "pull", clock, []) for b in range(len(self._batches)))))
+        with self._span("pull", clock):
+            return self._assemble(await asyncio.gather(*(
+                self._on_batch(b, "pull", clock, []) for b in range(len(self._batches)))))
 
     async def _push_pull(self, clock: int, payloads: list[list[Payload]]) -> dict[str, Array]:
-        return self._assemble(await asyncio.gather(*(
-            self._on_batch(b, "push_pull", clock, items) for b, items in enumerate(payloads))))
+        with self._span("push_pull", clock):
+            return self._assemble(await asyncio.gather(*(
+                self._on_batch(b, "push_pull", clock, items)
+                for b, items in enumerate(payloads))))
+
+    @contextlib.contextmanager
+    def _span(self, name: str, clock: int) -> Iterator[None]:
+        """A timeline span around one operation, when the config has a timeline."""
+        timeline = self.config.timeline
+        started = time.perf_counter()
+        error = True
+        try:
+            yield
+            error = False
+        finally:
+            if timeline is not None:
+                timeline.add_since(name, "ps", started, worker=self.worker, clock=clock,
+                                   error=error)
 
     async def _on_batch(self, index: int, method: str, clock: int,
                         items: list[Payload]) -> Any:

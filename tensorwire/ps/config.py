@@ -8,6 +8,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..rpc import ClientConfig, ServerConfig
+from ..timeline import Timeline
 from ._compress import Compressor, compressor_for
 from ._consistency import MODES, Mode
 from ._optim import Aggregate, Optimizer, optimizer_from_wire
@@ -87,6 +88,8 @@ class PSConfig:
         retry_timeout: how long a call keeps retrying a shard that went
             away (restarting from its checkpoint) before ``Unavailable``.
         rpc: the RPC client settings of each shard connection.
+        timeline: records every push, pull and push_pull as a span
+            (``tensorwire.timeline``).
     """
 
     chunk_bytes: int = 4 * MiB
@@ -95,6 +98,7 @@ class PSConfig:
     timeout: float = 60.0
     retry_timeout: float = 30.0
     rpc: ClientConfig = dataclasses.field(default_factory=ClientConfig)
+    timeline: Timeline | None = None
 
     def __post_init__(self) -> None:
         for name in ("chunk_bytes", "message_bytes"):

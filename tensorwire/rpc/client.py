@@ -378,6 +378,8 @@ class Client:
             raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
         finally:
             metrics.observe(time.perf_counter() - started, error=error)
+            if self.config.timeline is not None:
+                self.config.timeline.add_since(method, "rpc.client", started, error=error)
 
     async def _exchange(
         self,
@@ -498,6 +500,8 @@ class Client:
             raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
         finally:
             metrics.observe(time.perf_counter() - started, error=error)
+            if self.config.timeline is not None:
+                self.config.timeline.add_since(method, "rpc.client", started, error=error)
 
     async def _pump(
         self, session: _Session, call_id: int, pending: _Pending, source: AsyncIterable[Any]

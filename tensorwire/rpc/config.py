@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ConfigError
+from ..timeline import Timeline
 from ..transports import TransportConfig
 
 __all__ = ("ClientConfig", "ServerConfig")
@@ -46,6 +47,7 @@ class ClientConfig:
         secret: shared secret for challenge-response authentication.
         transport: the transport settings (limits, TLS, UCX).
         name: how this client introduces itself (shows in server logs).
+        timeline: records every call as a span (``tensorwire.timeline``).
     """
 
     timeout: float = 60.0
@@ -59,6 +61,7 @@ class ClientConfig:
     secret: bytes | None = None
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     name: str = ""
+    timeline: Timeline | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "timeout", "connect_timeout", "heartbeat_interval", "heartbeat_timeout",
@@ -83,6 +86,7 @@ class ServerConfig:
         secret: shared secret; when set, clients must prove they know it.
         transport: the transport settings (limits, TLS, UCX).
         shutdown_grace: seconds ``close()`` lets calls in flight finish.
+        timeline: records every call as a span (``tensorwire.timeline``).
     """
 
     max_concurrent_per_connection: int = 256
@@ -92,6 +96,7 @@ class ServerConfig:
     secret: bytes | None = None
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     shutdown_grace: float = 5.0
+    timeline: Timeline | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "max_concurrent_per_connection", "max_concurrent", "heartbeat_timeout",

@@ -357,6 +357,9 @@ class _Session:
             reply = _error_message(request.call_id, exc)
         finally:
             metrics.observe(time.perf_counter() - started, error=failed)
+            if self.server.config.timeline is not None:
+                self.server.config.timeline.add_since(request.method, "rpc.server", started,
+                                                      error=failed)
         if reply is not None:
             with contextlib.suppress(Unavailable):
                 metrics.bytes_out += self.channel.post(reply)
@@ -563,6 +566,9 @@ class _Call:
         finally:
             if self.metrics is not None:
                 self.metrics.observe(time.perf_counter() - started, error=failed)
+            timeline = self.session.server.config.timeline
+            if timeline is not None:
+                timeline.add_since(self.request.method, "rpc.server", started, error=failed)
         # The call's slot is free, and its metrics complete, before the
         # client has its answer and may send the next call.
         self.forget()
