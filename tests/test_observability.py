@@ -124,6 +124,11 @@ async def test_rpc_and_parameter_server_spans() -> None:
     await client.push({"w": np.ones(8, np.float32)})
     await client.pull()
     await client.push_pull({"w": np.ones(8, np.float32)})
+    metrics = client.metrics()
+    assert {name: m["calls"] for name, m in metrics.items()} == {
+        "push": 1, "pull": 1, "push_pull": 1}
+    assert metrics["push"]["bytes_out"] == 32 and metrics["push"]["bytes_in"] == 0
+    assert metrics["pull"]["bytes_in"] == 32 and metrics["push_pull"]["bytes_in"] == 32
     await client.close()
     await shard.close(checkpoint=False)
     assert [(e["name"], e["args"]["clock"]) for e in worker_side.events] == [

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import rpc
+from .._metrics import Metrics
 from ..errors import (
     ConfigError,
     DeadlineExceeded,
@@ -157,6 +158,7 @@ class PSClient:
         self._closed = False
         # Set by close(): wakes calls waiting out a reconnection backoff.
         self._closing = asyncio.Event()
+        self._metrics = Metrics()
 
     # -- lifetime -------------------------------------------------------------------
 
@@ -348,9 +350,14 @@ class PSClient:
                 self._on_batch(b, "push_pull", clock, items)
                 for b, items in enumerate(payloads))))
 
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """Per operation (push, pull, push_pull): calls, errors, bytes out and
+        in (compressed, as sent), latency p50/p90/p99 (s)."""
+        return self._metrics.snapshot()
+
     @contextlib.contextmanager
     def _span(self, name: str, clock: int) -> Iterator[None]:
-        """A timeline span around one operation, when the config has a timeline."""
+        """Count one operation in the metrics, and on the timeline if there is one."""
         timeline = self.config.timeline
         started = time.perf_counter()
         error = True
@@ -358,6 +365,7 @@ class PSClient:
             yield
             error = False
         finally:
+            self._metrics[name].observe(time.perf_counter() - started, error=error)
             if timeline is not None:
                 timeline.add_since(name, "ps", started, worker=self.worker, clock=clock,
                                    error=error)
@@ -372,8 +380,11 @@ class PSClient:
             # these chunks: a shard restored from an older checkpoint catches up.
             args = (self.worker, clock, batch.keys, items, self._seen[index], wait)
             self._last_push[index] = args
+        metrics = self._metrics[method]
+        metrics.bytes_out += _nbytes(items)
         result = await self._call(batch.shard, method, *args, batch=index)
         if method != "push":
+            metrics.bytes_in += _nbytes(result)
             read_at = clock if method == "pull" else clock + 1
             self._seen[index] = max(self._seen[index], read_at)
         return result
@@ -437,3 +448,14 @@ class PSClient:
                 whole[chunk.start:chunk.stop] = got[chunk.key]
             out[name] = whole.reshape(spec.shape)
         return out
+
+
+def _nbytes(value: Any) -> int:
+    """The array bytes in a payload (arrays inside dicts and lists)."""
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
