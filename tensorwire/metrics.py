@@ -3,7 +3,11 @@
 Every metrics source in tensorwire returns the same shape of dict,
 ``{name: {calls, errors, bytes_in, bytes_out, p50, p90, p99}}``:
 ``Server.metrics()`` and ``Client.metrics()`` per RPC method,
-``Group.metrics()`` per collective operation. Give them names and serve::
+``Group.metrics()`` per collective operation, ``PSClient.metrics()`` per
+push, pull and push_pull. Connection counters have their own shape,
+``{peer: {messages_sent, messages_received, bytes_sent, bytes_received}}``
+(``Server.transport_stats()``, ``Client.transport_stats()``), and become
+``tensorwire_transport_*`` metrics. Give them names and serve::
 
     endpoint = await serve_metrics("127.0.0.1", 9464, {
         "rpc_server": server.metrics,
@@ -37,6 +41,14 @@ _COUNTERS = (
     ("bytes_out", "tensorwire_bytes_out_total", "Bytes sent."),
 )
 _QUANTILES = (("p50", "0.5"), ("p90", "0.9"), ("p99", "0.99"))
+_TRANSPORT = (
+    ("messages_sent", "tensorwire_transport_messages_sent_total", "Messages sent."),
+    ("messages_received", "tensorwire_transport_messages_received_total",
+     "Messages received."),
+    ("bytes_sent", "tensorwire_transport_bytes_sent_total", "Bytes sent on the transport."),
+    ("bytes_received", "tensorwire_transport_bytes_received_total",
+     "Bytes received on the transport."),
+)
 
 
 def _label(value: str) -> str:
@@ -46,7 +58,19 @@ def _label(value: str) -> str:
 def prometheus_text(sources: Mapping[str, Source]) -> str:
     """The current values of every source, in the Prometheus text format."""
     snapshots = {source: read() for source, read in sources.items()}
+    # Connection counters (``transport_stats()``) have a shape of their own.
+    transport = {s: v for s, v in snapshots.items()
+                 if any("messages_sent" in values for values in v.values())}
+    snapshots = {s: v for s, v in snapshots.items() if s not in transport}
     lines: list[str] = []
+    for key, metric, help_text in _TRANSPORT:
+        if not transport:
+            break
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
+        for source, snapshot in transport.items():
+            for name, values in snapshot.items():
+                lines.append(f'{metric}{{source="{_label(source)}",name="{_label(name)}"}} '
+                             f"{int(values.get(key, 0))}")
     for key, metric, help_text in _COUNTERS:
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
         for source, snapshot in snapshots.items():

@@ -70,7 +70,14 @@ async def test_prometheus_text_and_endpoint() -> None:
     async with tw.connect(address) as client:
         await client.call("Store.put", "k", np.arange(4))
         await client.call("Store.get", "k")
-        text = prometheus_text({"rpc_server": server.metrics, "rpc_client": client.metrics})
+        text = prometheus_text({"rpc_server": server.metrics, "rpc_client": client.metrics,
+                                "server_transport": server.transport_stats,
+                                "client_transport": client.transport_stats})
+        ((peer, stats),) = client.transport_stats().items()
+        # The RPC handshake's message each way, then the two calls.
+        assert peer == address and stats["messages_sent"] == stats["messages_received"] == 3
+        assert (f'tensorwire_transport_messages_sent_total{{source="client_transport",'
+                f'name="{address}"}} 3') in text
         assert 'tensorwire_calls_total{source="rpc_server",name="Store.get"} 1' in text
         assert 'tensorwire_calls_total{source="rpc_client",name="Store.put"} 1' in text
         assert 'tensorwire_latency_p99_seconds{source="rpc_server",name="Store.get"} ' in text

@@ -261,6 +261,13 @@ class Client:
         """Per-method calls, errors, bytes in and out, latency p50/p90/p99 (s)."""
         return self._metrics.snapshot()
 
+    def transport_stats(self) -> dict[str, dict[str, int]]:
+        """The current connection's messages and bytes each way, by server address."""
+        session = self._session
+        if session is None or session.channel is None:
+            return {}
+        return {self.address: session.channel.conn.stats()}
+
     async def _ready(self) -> _Session:
         if self._closed:
             raise Unavailable("the client is closed")

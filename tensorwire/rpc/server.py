@@ -172,6 +172,10 @@ class Server:
         """Per-method calls, errors, bytes in and out, latency p50/p90/p99 (s)."""
         return self._metrics.snapshot()
 
+    def transport_stats(self) -> dict[str, dict[str, int]]:
+        """Per connected client (by its address): messages and bytes each way."""
+        return {s.channel.conn.peer_address: s.channel.conn.stats() for s in self._sessions}
+
     def describe(self) -> list[dict[str, Any]]:
         """The hosted services, their methods, signatures and docstrings."""
         out = []

@@ -297,6 +297,21 @@ class Connection(abc.ABC):
 
     #: The transport's URL scheme ("tcp", "ucx", "inproc").
     scheme: str = ""
+    #: Counters the transport keeps (see :meth:`stats`).
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def stats(self) -> dict[str, int]:
+        """Messages and bytes this connection sent and received.
+
+        Bytes are the frames' bytes; a byte stream (tcp://) counts what goes
+        over the socket: its 8-byte handshake and the framing too.
+        """
+        return {"messages_sent": self.messages_sent,
+                "messages_received": self.messages_received,
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
 
     @property
     @abc.abstractmethod

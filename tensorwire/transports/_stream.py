@@ -136,19 +136,28 @@ class StreamConnection(Connection):
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:
             raise self._closed_error()
-        await self._send_locked(outgoing(frames))
+        buffers = outgoing(frames)
+        self._count_out(1, buffers)
+        await self._send_locked(buffers)
 
     async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
         # One scatter-gather write for the lot: under load (many RPC replies
         # at once) that is one syscall instead of one per message.
         if self.closed:
             raise self._closed_error()
-        await self._send_locked(_outgoing_many(messages))
+        buffers = _outgoing_many(messages)
+        self._count_out(len(messages), buffers)
+        await self._send_locked(buffers)
+
+    def _count_out(self, messages: int, buffers: list[Any]) -> None:
+        self.messages_sent += messages
+        self.bytes_sent += sum(map(len, buffers))
 
     def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
         if self.closed:
             raise self._closed_error()
         buffers = _outgoing_many(messages)
+        self._count_out(len(messages), buffers)
         if not self._writes_now or self._send_lock.locked() or self._tail is not None:
             return self._loop.create_task(self._send_locked(buffers))
         try:
@@ -198,6 +207,7 @@ class StreamConnection(Connection):
 
     def _note_progress(self, nbytes: int) -> None:
         """``nbytes`` more arrived (and were parsed): update ``last_activity``."""
+        self.bytes_received += nbytes
         self._unseen_bytes += nbytes
         if self._reader.events or self._unseen_bytes >= LIVENESS_QUANTUM:
             self._unseen_bytes = 0
@@ -304,6 +314,7 @@ class StreamConnection(Connection):
                         ConnectionClosedError(f"connection closed by the peer {self._peer_address}")
                     )
                     return False
+                self.messages_received += 1
                 receiver = self._receiver
                 if receiver is None:
                     self._queue.deliver(event)

@@ -132,10 +132,15 @@ class InprocConnection(Connection):
             raise self._inbox.error or ConnectionClosedError(f"{self._local} is closed")
         message = [f if is_device_frame(f) else host_view(f) for f in frames]
         await peer._inbox.put(message)
+        self.messages_sent += 1
+        self.bytes_sent += sum(device_nbytes(f) if is_device_frame(f) else f.nbytes
+                               for f in message)
 
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
         message = await self._inbox.get()
         sizes = [device_nbytes(f) if is_device_frame(f) else f.nbytes for f in message]
+        self.messages_received += 1
+        self.bytes_received += sum(sizes)
         try:
             check_limits(sizes, self._config.limits)
         except LimitExceededError:

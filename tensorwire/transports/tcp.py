@@ -91,6 +91,7 @@ class SocketConnection(StreamConnection):
         assert self._sock is not None
         try:
             self._sock.send(HANDSHAKE)
+            self.bytes_sent += len(HANDSHAKE)
         except OSError as exc:
             self._fail(_translate(exc, f"handshake with {self.peer_address} failed"))
             return
@@ -233,6 +234,7 @@ class TLSConnection(StreamConnection, asyncio.BufferedProtocol):
             self._peer_address = _sockname(sock, peer=True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._transport.write(HANDSHAKE)
+        self.bytes_sent += len(HANDSHAKE)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._reader.get_buffer()

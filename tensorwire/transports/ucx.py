@@ -168,7 +168,7 @@ def _retrieve(future: asyncio.Future[None]) -> None:
 class _Outgoing:
     """One message prepared for sending: the header and the separate frames."""
 
-    __slots__ = ("frames", "header")
+    __slots__ = ("frames", "header", "nbytes")
 
     def __init__(self, frames: Sequence[Any]) -> None:
         sizes: list[int] = []
@@ -208,6 +208,7 @@ class _Outgoing:
             ]
         )
         self.frames = separate
+        self.nbytes = sum(sizes)
         if device:
             _sync_device_streams()
 
@@ -327,6 +328,8 @@ class UCXConnection(Connection):
         if self.closed:
             raise self._closed_error()
         message = _Outgoing(frames)
+        self.messages_sent += 1
+        self.bytes_sent += message.nbytes
         async with self._send_lock:
             if self.closed:
                 raise self._closed_error()
@@ -541,6 +544,9 @@ class UCXConnection(Connection):
     def _finish_message(self) -> None:
         message, self._frames = self._frames, []
         self._received += 1
+        self.messages_received += 1
+        self.bytes_received += sum(
+            device_nbytes(f) if is_device_frame(f) else memoryview(f).nbytes for f in message)
         self._queue.deliver(message)
         if self._peer_sent is not None and self._received >= self._peer_sent:
             self._peer_done()

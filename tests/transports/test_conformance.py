@@ -90,6 +90,23 @@ async def test_roundtrip_sizes(listen_url: str, size: int) -> None:
         assert np.array_equal(np.frombuffer(frame, np.uint8), data)
 
 
+async def test_connections_count_their_messages_and_bytes(listen_url: str) -> None:
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        fresh = conn.stats()
+        assert fresh["messages_sent"] == fresh["messages_received"] == 0
+        assert fresh["bytes_sent"] < 64 and fresh["bytes_received"] < 64  # handshakes at most
+        await conn.send([b"abc", pattern(1 << 20)])
+        await conn.send_many([[b"x"], [b"yz"]])
+        for _ in range(3):
+            await conn.recv()
+        stats = conn.stats()
+    assert stats["messages_sent"] == stats["messages_received"] == 3
+    payload = 3 + (1 << 20) + 1 + 2
+    # Frames' bytes; a byte stream counts its framing too.
+    assert payload <= stats["bytes_sent"] < payload + 512
+    assert stats["bytes_received"] == stats["bytes_sent"]
+
+
 async def test_empty_message_and_empty_frames(listen_url: str) -> None:
     async with serving(listen_url) as listener, await connect(listener.address) as conn:
         await conn.send([])
