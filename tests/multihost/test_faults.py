@@ -10,41 +10,16 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from .netns import NamespaceUnavailable, Testbed
+from .conftest import spawn
+from .netns import Testbed
 
-ROOT = Path(__file__).resolve().parents[2]
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
-
-
-@pytest.fixture
-def bed(request: pytest.FixtureRequest) -> Iterator[Testbed]:
-    hosts = getattr(request, "param", 3)
-    testbed = Testbed(hosts)
-    try:
-        testbed.up()
-    except NamespaceUnavailable as exc:
-        testbed.down()
-        pytest.skip(f"cannot make network namespaces: {exc}")
-    try:
-        yield testbed
-    finally:
-        testbed.down()
-
-
-async def spawn(bed: Testbed, host: int, *argv: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        *bed.command(host, [sys.executable, *argv]), cwd=ROOT,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
 
 
 @contextlib.asynccontextmanager
