@@ -69,17 +69,10 @@ class Timeline:
         finally:
             self.add(name, category, start, self._now_us() - start, extra)
 
-    def start(self) -> float:
-        """A start time to hand to :meth:`finish` (for spans that cross callbacks)."""
-        return self._now_us()
-
     def add_since(self, name: str, category: str, started: float, **args: Any) -> None:
         """A span from ``started`` (a ``time.perf_counter()`` reading) until now."""
         now = time.perf_counter()
         self.add(name, category, (started - self._origin) * 1e6, (now - started) * 1e6, args)
-
-    def finish(self, name: str, category: str, start_us: float, **args: Any) -> None:
-        self.add(name, category, start_us, self._now_us() - start_us, args)
 
     @property
     def events(self) -> list[dict[str, Any]]:

@@ -93,7 +93,7 @@ class DoublingPlan:
     With ``p`` the largest power of two not above ``size`` and
     ``rem = size - p``, the first ``2 * rem`` ranks pair up: the odd one of
     each pair hands its data to the even one (``fold_to``) and waits for the
-    result (``fold_from``), the even one absorbs it (``absorb``) and later
+    result from it, the even one absorbs it (``absorb``) and later
     returns the result (``give_back``). The ``p`` remaining ranks exchange
     with ``partners`` in ``log2(p)`` steps.
     """
@@ -102,10 +102,6 @@ class DoublingPlan:
     absorb: int | None
     partners: tuple[int, ...]
     give_back: int | None
-
-    @property
-    def fold_from(self) -> int | None:
-        return self.fold_to
 
 
 @functools.cache
