@@ -21,6 +21,7 @@ PACKAGES = [
     "tensorwire.metrics",
     "tensorwire.timeline",
     "tensorwire.testing",
+    "tensorwire.testing.netbed",
 ]
 
 

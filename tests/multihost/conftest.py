@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .netns import NamespaceUnavailable, Testbed
+from tensorwire.testing.netbed import NamespaceUnavailable, Testbed
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """Faults across emulated hosts: every process runs in a network namespace of
-its own (tests/multihost/netns.py), so links can really go down.
+its own (tensorwire/testing/netbed.py), so links can really go down.
 
 Skipped with the reason where namespaces cannot be made (not root).
 """
@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
+from tensorwire.testing.netbed import Testbed
+
 from .conftest import spawn
-from .netns import Testbed
 
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
 

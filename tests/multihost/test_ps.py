@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from tensorwire.ps import _checkpoint
+from tensorwire.testing.netbed import Testbed
 
 from .conftest import spawn
-from .netns import Testbed
 
 STEPS = 40
 WORKER = f"""

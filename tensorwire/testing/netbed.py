@@ -1,4 +1,4 @@
-"""A test bed of emulated hosts on this machine, one network namespace each.
+"""A test bed of emulated hosts on one Linux machine, one network namespace each.
 
 Every host gets its own network stack: a namespace with loopback and an
 ``eth0`` (a veth pair) whose other end sits on a bridge in a *switch*
@@ -6,7 +6,18 @@ namespace, with the address ``10.213.0.<k + 1>/24``. Nothing is added to the
 machine's own namespace, the addresses exist only inside namespaces this
 test bed made, and :meth:`Testbed.down` removes them all (deleting a
 namespace deletes its interfaces). A host's link can be cut at its switch
-port, which is what a pulled cable or a dead switch port looks like to it.
+port, which is what a pulled cable or a dead switch port looks like to it,
+and given its own rate with a token bucket (``tc qdisc ... tbf``), so a test
+can build a cluster whose links differ::
+
+    with testbed(3) as bed:            # needs root and iproute2
+        bed.shape(0, rate="1gbit")     # host 0: 1 Gbit/s each way
+        bed.shape(2, rate="200mbit")   # host 2: one slow link
+        argv = bed.command(1, ["python", "worker.py", bed.address(0)])
+
+Processes that share a host (one namespace) talk over its loopback and
+shared memory, which no shaping touches: the fast links inside a host.
+This is a tool for tests and benchmarks, not for production.
 """
 
 from __future__ import annotations
@@ -19,17 +30,37 @@ import subprocess
 import uuid
 from collections.abc import Iterator, Sequence
 
+__all__ = ("SUBNET", "NamespaceUnavailable", "Testbed", "parse_rate", "sweep_stale", "testbed")
+
 SUBNET = "10.213.0"
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 
 
 class NamespaceUnavailable(RuntimeError):
     """Network namespaces cannot be made here (not root, no iproute2)."""
 
 
-def _ip(*args: str) -> None:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+def _run(argv: Sequence[str]) -> str:
+    result = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
+        raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip()}")
+    return result.stdout
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def parse_rate(rate: str) -> int:
+    """Bits per second of a tc-style rate such as ``"1gbit"`` or ``"250mbit"``."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?bit)", rate.strip().lower())
+    if match is None:
+        raise ValueError(f"rate {rate!r} is not a number followed by bit, kbit, mbit or gbit")
+    bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
+    if bits < 8 * 1500:
+        raise ValueError(f"rate {rate!r} is below one packet per second")
+    return int(bits)
 
 
 class Testbed:
@@ -90,6 +121,36 @@ class Testbed:
     def link(self, k: int, *, up: bool) -> None:
         """Connect or cut host ``k`` at its switch port."""
         _ip("-n", self.switch, "link", "set", f"{self.tag}p{k}", "up" if up else "down")
+
+    def shape(self, k: int, *, rate: str | None) -> None:
+        """Give host ``k``'s link a rate each way, or lift it (``rate=None``).
+
+        A token bucket (``tbf``) on both ends of the host's veth pair: on
+        ``eth0`` inside the host for what it sends, on its switch port for
+        what it receives.
+        """
+        inside = ["ip", "netns", "exec", self.host(k), "tc", "qdisc"]
+        port = ["ip", "netns", "exec", self.switch, "tc", "qdisc"]
+        devices = ((inside, "eth0"), (port, f"{self.tag}p{k}"))
+        for tc, dev in devices:
+            with contextlib.suppress(RuntimeError):
+                _run([*tc, "del", "dev", dev, "root"])
+        if rate is None:
+            return
+        bits = parse_rate(rate)
+        # The bucket holds 4 ms of traffic (at least 64 KiB, so one
+        # GSO-sized packet fits); the queue holds 50 ms.
+        burst = max(bits // 8 // 250, 64 * 1024)
+        tbf = ["tbf", "rate", str(bits), "burst", str(burst), "latency", "50ms"]
+        for tc, dev in devices:
+            _run([*tc, "add", "dev", dev, "root", *tbf])
+
+    def link_bytes(self, k: int) -> tuple[int, int]:
+        """Bytes host ``k`` has sent and received on its link since it was made."""
+        stats = "/sys/class/net/eth0/statistics"
+        out = _run(["ip", "netns", "exec", self.host(k), "cat",
+                    f"{stats}/tx_bytes", f"{stats}/rx_bytes"]).split()
+        return int(out[0]), int(out[1])
 
     def hostname(self, k: int) -> str:
         return f"host{k}"

@@ -22,7 +22,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
-from .rpc import Client, ClientConfig, Server, ServerConfig, Service
+from ..rpc import Client, ClientConfig, Server, ServerConfig, Service
 
 __all__ = ("client_for",)
 
