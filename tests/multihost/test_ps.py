@@ -1,10 +1,14 @@
-"""The parameter server across emulated hosts: a shard killed and restored.
+"""The parameter server across emulated hosts: a shard killed and restored,
+and the workers' own link cut.
 
-Shard 0 runs on host 0 (checkpointing every 3 updates), shard 1 on host 1,
-two synchronous workers on host 2. Shard 0 is killed with SIGKILL mid-
-training and started again on the same address from its checkpoint
-directory; the workers retry, training finishes, and both end with the same
-parameters.
+Shard 0 runs on host 0, shard 1 on host 1, two synchronous workers on host
+2. In the first test shard 0 (checkpointing every 3 updates) is killed with
+SIGKILL mid-training and started again on the same address from its
+checkpoint directory; the workers retry, training finishes, and both end
+with the same parameters. In the second the workers' host loses its link for
+a few seconds; they notice within their heartbeat timeout, reconnect by
+themselves once it is back, and end with exactly the parameters of the same
+steps run in one process: no push was lost or applied twice.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from tensorwire import ps
 from tensorwire.ps import _checkpoint
 from tensorwire.testing.netbed import Testbed
 
+from ..ps.workers import initial, reference
 from .conftest import spawn
 
 STEPS = 40
@@ -33,6 +40,29 @@ from tests.ps.workers import train
 addresses, worker = sys.argv[1].split(","), int(sys.argv[2])
 result = train(addresses, worker, 2, {STEPS}, ps.SGD(lr=0.02, momentum=0.5), "none", 60.0)
 print(json.dumps({{k: v.tolist() for k, v in result["final"].items()}}), flush=True)
+"""
+PROGRESS_WORKER = f"""
+import asyncio, json, logging, sys, time
+from tensorwire import ps, rpc
+logging.basicConfig(level=logging.INFO)
+from tests.ps.workers import CHUNK_BYTES, gradient, initial
+addresses, worker = sys.argv[1].split(","), int(sys.argv[2])
+async def main():
+    # Heartbeats every 0.5 s, a silent shard is dead after 2 s: a cut link
+    # shows as Unavailable well inside the cut.
+    config = ps.PSConfig(chunk_bytes=CHUNK_BYTES, timeout=30, retry_timeout=30,
+                         rpc=rpc.ClientConfig(heartbeat_interval=0.5, heartbeat_timeout=2,
+                                              connect_timeout=1))
+    client = await ps.connect(addresses, worker=worker, num_workers=2,
+                              optimizer=ps.SGD(lr=0.02, momentum=0.5), config=config)
+    async with client:
+        params = await client.init(initial(worker))
+        for step in range({STEPS}):
+            params = await client.push_pull(gradient(params, worker, step))
+            print(json.dumps({{"step": step, "at": time.monotonic()}}), flush=True)
+            await asyncio.sleep(0.05)
+    print(json.dumps({{k: v.tolist() for k, v in params.items()}}), flush=True)
+asyncio.run(main())
 """
 STATUS = """
 import asyncio, json, sys
@@ -107,3 +137,64 @@ async def test_a_shard_killed_on_its_host_restores_and_training_finishes(
     print(f"ps shard killed on its host: restarted after {restarted:.2f} s from "
           f"{Path(status['restored_from']).name}, {status['lost_steps']} steps lost, "
           f"training finished at step {status['step']}")
+
+
+async def shard_status(bed: Testbed, host: int, address: str) -> dict[str, object]:
+    probe = await spawn(bed, host, "-c", STATUS, address)
+    out, err = await asyncio.wait_for(probe.communicate(), 30)
+    assert probe.returncode == 0, err.decode()[-2000:]
+    status: dict[str, object] = json.loads(out.decode().strip().splitlines()[-1])
+    return status
+
+
+@pytest.mark.slow
+async def test_the_workers_link_cut_for_seconds_loses_and_doubles_nothing(
+        bed: Testbed) -> None:
+    cut_seconds = 4.0
+    async with shard_in(bed, 0, f"tcp://{bed.address(0)}:0") as (_, first), \
+            shard_in(bed, 1, f"tcp://{bed.address(1)}:0") as (_, second):
+        addresses = f"{first},{second}"
+        workers = [await spawn(bed, 2, "-c", PROGRESS_WORKER, addresses, str(w))
+                   for w in range(2)]
+        assert workers[0].stdout is not None
+        stderrs = [asyncio.ensure_future(w.stderr.read()) for w in workers]  # type: ignore[union-attr]
+        # Cut the workers' host once training is under way.
+        while True:
+            line = await asyncio.wait_for(workers[0].stdout.readline(), 60)
+            assert line, (await stderrs[0]).decode()[-2000:]
+            if json.loads(line)["step"] == 9:
+                break
+        bed.link(2, up=False)
+        await asyncio.sleep(cut_seconds)
+        bed.link(2, up=True)
+        back = time.monotonic()
+        # The first step finished after the link came back.
+        while True:
+            line = await asyncio.wait_for(workers[0].stdout.readline(), 60)
+            assert line, (await stderrs[0]).decode()[-2000:]
+            report = json.loads(line)
+            if "step" not in report or report["at"] > back:
+                break
+        recovered = time.monotonic() - back
+        rest = await asyncio.wait_for(asyncio.gather(*(w.stdout.read() for w in workers)),  # type: ignore[union-attr]
+                                      120)
+        errors = await asyncio.gather(*stderrs)
+        await asyncio.gather(*(w.wait() for w in workers))
+        statuses = [await shard_status(bed, 2, address) for address in (first, second)]
+    assert [w.returncode for w in workers] == [0, 0], [e.decode()[-2000:] for e in errors]
+    finals = [json.loads(out.decode().strip().splitlines()[-1]) for out in rest]
+    assert finals[0] == finals[1]
+    # The calls in flight at the cut lost their connection and were retried,
+    # by the RPC client (idempotent) or the PS client.
+    retried = [b"after losing the connection" in e or b"unavailable" in e for e in errors]
+    assert any(retried), [e.decode()[-2000:] for e in errors]
+    # Exactly the steps of a run with no fault: nothing lost, nothing twice.
+    expected = reference(initial(0), 2, STEPS, ps.SGD(lr=0.02, momentum=0.5))
+    for name, value in expected.items():
+        np.testing.assert_allclose(np.asarray(finals[0][name], np.float32), value,
+                                   rtol=1e-5, atol=1e-6)
+    for status in statuses:
+        assert status["step"] == STEPS
+        assert status["lost_steps"] == 0
+    print(f"ps workers' link cut for {cut_seconds:.0f} s: training went on "
+          f"{recovered:.2f} s after the link was back, finished at step {STEPS}")
