@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 from ..rpc import ClientConfig, ServerConfig
 from ..timeline import Timeline
-from ._compress import Compressor, compressor_for
+from ._compress import LINK_CLASSES, CompressionSpec, compressor_for
 from ._consistency import MODES, Mode
 from ._optim import Aggregate, Optimizer, optimizer_from_wire
 
@@ -81,8 +82,12 @@ class PSConfig:
             chunks beyond it go in further messages, concurrently, so the
             shard updates the first chunks while the rest arrive.
         compression: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
-            ``"topk"`` or a :class:`Compressor` (gradients only; parameters
-            come back uncompressed).
+            ``"fp8"`` (= ``"fp8_e4m3"``), ``"fp8_e5m2"``, ``"topk"``, a
+            :class:`Compressor`, None (no compression), or one of those per
+            link class, ``{"local": ..., "remote": ...}`` (``"local"``: a
+            shard on the worker's own host, ``"remote"``: on another host; a
+            missing class gets none). Gradients only; parameters come back
+            uncompressed. A mapping is copied.
         timeout: deadline in seconds of one push, pull or push_pull,
             including the wait for other workers.
         retry_timeout: how long a call keeps retrying a shard that went
@@ -94,7 +99,7 @@ class PSConfig:
 
     chunk_bytes: int = 4 * MiB
     message_bytes: int = 8 * MiB
-    compression: str | Compressor = "none"
+    compression: CompressionSpec = "none"
     timeout: float = 60.0
     retry_timeout: float = 30.0
     rpc: ClientConfig = dataclasses.field(default_factory=ClientConfig)
@@ -105,7 +110,11 @@ class PSConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"PSConfig.{name} must be a positive int, got {value!r}")
-        compressor_for(self.compression)
+        if isinstance(self.compression, Mapping):
+            # A copy, so that changing the caller's dict later changes no config.
+            object.__setattr__(self, "compression", dict(self.compression))
+        for link in LINK_CLASSES:
+            compressor_for(self.compression, link=link)
         for name in ("timeout", "retry_timeout"):
             value = getattr(self, name)
             if not value > 0:

@@ -9,6 +9,7 @@ import pytest
 
 from tensorwire import ps, serde
 from tensorwire.errors import ConfigError, InvalidArgument
+from tensorwire.ps import _compress as ps_compress
 from tensorwire.ps._compress import compressor_for, decompress
 
 
@@ -70,7 +71,91 @@ def test_topk_keeps_the_largest_entries() -> None:
     assert np.count_nonzero(round_trip(ps.TopK(ratio=1e-9), g)) == 1
 
 
-@pytest.mark.parametrize("name", ["int8", "topk"])
+FP8 = [("fp8_e4m3", "float8_e4m3fn", 448.0, 3), ("fp8_e5m2", "float8_e5m2", 57344.0, 2)]
+
+
+@pytest.mark.parametrize(("name", "fmt", "fmax", "mantissa"), FP8)
+def test_fp8_matches_ml_dtypes_with_a_per_chunk_scale(name: str, fmt: str, fmax: float,
+                                                      mantissa: int) -> None:
+    import ml_dtypes
+
+    # Entries spanning nine decades, so the format's subnormals are used too.
+    g = grad(4096) * np.float32(10.0) ** np.linspace(-8, 1, 4096, dtype=np.float32)
+    out = round_trip(compressor_for(name), g)
+    assert out.dtype == np.float32
+    scale = np.abs(g).max() / fmax
+    fp8 = getattr(ml_dtypes, fmt)
+    expected = ((g / scale).astype(fp8).astype(np.float64) * scale).astype(np.float32)
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=0)
+    # Relative error at most half a step of the mantissa wherever the scaled
+    # value is normal; below that, at most half the smallest subnormal.
+    tiny = float(ml_dtypes.finfo(fp8).smallest_normal) * scale
+    subnormal = float(ml_dtypes.finfo(fp8).smallest_subnormal) * scale
+    normal = np.abs(g) >= tiny
+    rel = np.abs(out - g)[normal] / np.abs(g)[normal]
+    assert rel.max() <= 2.0 ** -(mantissa + 1) * 1.0001
+    assert np.abs(out - g)[~normal].max() <= subnormal / 2 * 1.0001
+    # The largest entry is exact: it defines the scale.
+    peak = np.abs(g).argmax()
+    assert out[peak] == pytest.approx(g[peak], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_payload_is_one_byte_per_entry_and_a_scale(name: str) -> None:
+    n = 1 << 16
+    payload = compressor_for(name).compress(grad(n))
+    assert set(payload) == {"data", "scale"}
+    assert payload["data"].dtype == np.uint8 and payload["data"].nbytes == n
+    assert isinstance(payload["scale"], float)
+    # On the wire: the codes out of band, the scale a float64 in a small header.
+    header, buffers = serde.encode(payload)
+    assert sum(memoryview(b).nbytes for b in buffers) == n
+    assert len(header) < 64
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_zeros_empty_subnormals_and_other_dtypes(name: str) -> None:
+    compressor = compressor_for(name)
+    zeros = np.zeros(7, np.float32)
+    payload = compressor.compress(zeros)
+    assert payload["scale"] == 1.0
+    np.testing.assert_array_equal(round_trip(compressor, zeros), zeros)
+    assert round_trip(compressor, np.zeros(0, np.float32)).size == 0
+    # A chunk whose peak is a float32 subnormal: 1/scale overflows float32,
+    # yet the values come back with fp8's relative precision.
+    tiny = np.float32([1e-40, -3e-41, 2e-42, 0.0])
+    out = round_trip(compressor, tiny)
+    np.testing.assert_allclose(out, tiny, rtol=0.13, atol=2e-45)
+    assert out[0] == np.float32(1e-40)
+    # Near float32's largest value nothing overflows.
+    huge = np.float32([3.4e38, -1e38, 1.0])
+    np.testing.assert_allclose(round_trip(compressor, huge)[:2], huge[:2], rtol=0.13)
+    for dtype in (np.float16, np.float64):
+        g = grad(300).astype(dtype)
+        out = round_trip(compressor, g)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(out, g, rtol=0.13, atol=float(np.abs(g).max()) * 2.0**-16)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_refuses_inf_and_nan(name: str) -> None:
+    for bad in (np.inf, -np.inf, np.nan):
+        with pytest.raises(InvalidArgument, match="inf or NaN"):
+            compressor_for(name).compress(np.float32([1.0, bad, 2.0]))
+
+
+def test_fp8_bad_payloads_are_invalid_arguments() -> None:
+    f32 = np.dtype(np.float32)
+    for payload in ({"codec": "fp8_e4m3", "data": np.zeros(3, np.float32), "scale": 1.0},
+                    {"codec": "fp8_e4m3", "data": np.zeros(3, np.uint8), "scale": float("nan")},
+                    {"codec": "fp8_e5m2", "data": np.zeros(3, np.uint8), "scale": -1.0},
+                    {"codec": "fp8_e5m2", "data": np.zeros(3, np.uint8)},
+                    {"codec": "fp8_e5m2", "data": np.zeros(4, np.uint8), "scale": 1.0}):
+        with pytest.raises(InvalidArgument):
+            decompress(payload, 3, f32)
+
+
+@pytest.mark.parametrize("name", ["int8", "topk", "fp8_e4m3", "fp8_e5m2"])
 def test_error_feedback_tracks_the_true_sum(name: str) -> None:
     compressor = ps.TopK(ratio=0.1) if name == "topk" else compressor_for(name)
     feedback = ps.ErrorFeedback(compressor)
@@ -139,3 +224,46 @@ def test_unknown_compression_name() -> None:
         compressor_for("lz4")
     with pytest.raises(ConfigError):
         ps.TopK(ratio=0)
+
+
+def test_compressor_names() -> None:
+    assert isinstance(compressor_for("fp8"), ps_compress.FP8E4M3)
+    assert compressor_for("fp8").name == "fp8_e4m3"
+    assert isinstance(compressor_for("fp8_e5m2"), ps_compress.FP8E5M2)
+    assert isinstance(compressor_for(None), ps.NoCompression)
+
+
+def test_compression_per_link_class() -> None:
+    spec = {"local": None, "remote": "fp8"}
+    assert isinstance(compressor_for(spec, link="local"), ps.NoCompression)
+    assert isinstance(compressor_for(spec, link="remote"), ps_compress.FP8E4M3)
+    # Without a link: "remote", as for a plain name.
+    assert isinstance(compressor_for(spec), ps_compress.FP8E4M3)
+    assert isinstance(compressor_for("int8", link="local"), ps.Int8)
+    # A missing class gets no compression.
+    assert isinstance(compressor_for({"remote": "fp16"}, link="local"), ps.NoCompression)
+    assert isinstance(compressor_for({}, link="remote"), ps.NoCompression)
+    topk = ps.TopK(ratio=0.1)
+    assert compressor_for({"remote": topk}) is topk
+    with pytest.raises(ConfigError, match="'inter_host'"):
+        compressor_for({"remote": "fp8", "inter_host": "fp8"})
+    # Every entry is checked, not only the one asked for.
+    with pytest.raises(ConfigError, match="lz4"):
+        compressor_for({"local": "lz4", "remote": "fp8"}, link="remote")
+    with pytest.raises(ConfigError):
+        compressor_for({"remote": {"remote": "fp8"}})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match="link class"):
+        compressor_for("fp8", link="rack")
+
+
+def test_psconfig_takes_a_per_link_mapping() -> None:
+    spec = {"local": "none", "remote": "fp8_e5m2"}
+    config = ps.PSConfig(compression=spec)
+    spec["remote"] = "lz4"  # the config keeps its own copy
+    assert config.compression == {"local": "none", "remote": "fp8_e5m2"}
+    assert isinstance(compressor_for(config.compression, link="remote"), ps_compress.FP8E5M2)
+    assert ps.PSConfig(compression=None).compression is None
+    with pytest.raises(ConfigError, match="'rack'"):
+        ps.PSConfig(compression={"rack": "fp8"})
+    with pytest.raises(ConfigError, match="lz4"):
+        ps.PSConfig(compression={"local": "lz4"})
