@@ -197,7 +197,8 @@ def main() -> None:
     parser.add_argument("--consistency", choices=["sync", "ssp", "async"], default="sync")
     parser.add_argument("--staleness", type=int, default=0)
     parser.add_argument("--compression", default="none",
-                        choices=["none", "fp16", "bf16", "int8", "topk"])
+                        choices=["none", "fp16", "bf16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2",
+                                 "topk"])
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=64)
