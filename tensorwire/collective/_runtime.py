@@ -200,6 +200,15 @@ def advertised_host(listen_host: str, master_host: str) -> str:
         return socket.gethostname()
 
 
+def _address_host(url: str) -> str:
+    """The host part of a data address (``tcp://10.0.0.2:4000`` -> ``10.0.0.2``)."""
+    scheme, _, rest = url.partition("://")
+    try:
+        return parse_host_port(rest, scheme)[0]
+    except (ConfigError, ValueError):
+        return rest
+
+
 class Runtime:
     """The process's membership in a root group and all its subgroups."""
 
@@ -393,7 +402,28 @@ class Runtime:
         return conn
 
     def hosts(self) -> list[str]:
-        return [str(member["host"]) for member in self.members]
+        """Each rank's host.
+
+        ``GroupConfig.topology`` when given; else the host name each rank
+        reported, told apart by the address it listens on: ranks that share
+        a host name but advertise different addresses (cloned machines, all
+        called ``localhost``) are on different hosts. A machine whose ranks
+        listen on different interfaces then counts as several hosts, which
+        only costs the hierarchy, never a wrong result.
+        """
+        if self.config.topology is not None:
+            out = [""] * self.world_size
+            for name, ranks in self.config.topology.items():
+                for rank in ranks:
+                    out[rank] = str(name)
+            return out
+        names = [str(member["host"]) for member in self.members]
+        addresses = [_address_host(str(member["data"])) for member in self.members]
+        seen: dict[str, set[str]] = {}
+        for name, address in zip(names, addresses, strict=True):
+            seen.setdefault(name, set()).add(address)
+        return [name if len(seen[name]) == 1 else f"{name}@{address}"
+                for name, address in zip(names, addresses, strict=True)]
 
     async def close(self) -> None:
         """Leave the group (rank 0 waits for the others first) and stop listening."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 
 from ..errors import ConfigError
 from ..rpc import ClientConfig
 from ..timeline import Timeline
 from ..transports import TransportConfig
+from ._hierarchy import hierarchy
 
 __all__ = ("GroupConfig",)
 
@@ -32,6 +34,15 @@ class GroupConfig:
         segment_bytes: large messages travel in segments of at most this many
             bytes, so that a ring or chain step pipelines and the scratch
             memory of a reduction stays at one segment.
+        hierarchical_bytes: allreduce, broadcast and allgather of more than
+            this many bytes run hierarchically (inside each host first, then
+            one leader per host across hosts) when the topology has several
+            hosts and more than one rank on some host. ``None``: only when a
+            call asks for it (``algorithm="hierarchical"``).
+        topology: which ranks share a host, as host name -> ranks (of the
+            root group), instead of what the rendezvous learned from host
+            names and listen addresses. For clusters whose host names
+            mislead, and for tests that emulate several hosts on one.
         heartbeat_interval / heartbeat_timeout: liveness of the control
             connection to rank 0, which reports a dead rank to the others. A
             process that dies closes its connections and is reported at once;
@@ -49,6 +60,8 @@ class GroupConfig:
     rendezvous_timeout: float = 120.0
     small_bytes: int = 64 * KiB
     segment_bytes: int = 4 * MiB
+    hierarchical_bytes: int | None = 64 * KiB
+    topology: Mapping[str, Sequence[int]] | None = None
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 60.0
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
@@ -63,6 +76,17 @@ class GroupConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"GroupConfig.{name} must be a non-negative int, got {value!r}")
+        value = self.hierarchical_bytes
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+            raise ConfigError(
+                f"GroupConfig.hierarchical_bytes must be a non-negative int or None, got {value!r}")
+        if self.topology is not None:
+            # Checked here, against the world size in Group.create.
+            try:
+                hierarchy(self.topology)
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise ConfigError(f"GroupConfig.topology: {exc}") from None
         if self.segment_bytes < 4 * KiB:
             raise ConfigError("GroupConfig.segment_bytes must be at least 4 KiB")
         if self.heartbeat_timeout <= self.heartbeat_interval:

@@ -43,6 +43,7 @@ from ..errors import (
     TransportError,
 )
 from ..transports import Connection, FrameInfo, default_allocator
+from . import _hierarchy as hierarchy
 from . import _schedule as schedule
 from ._arrays import Flat, ReduceOp, flatten
 from ._runtime import Runtime
@@ -52,7 +53,7 @@ __all__ = ("Algorithm", "Group")
 
 logger = logging.getLogger(__name__)
 
-Algorithm = Literal["auto", "ring", "tree"]
+Algorithm = Literal["auto", "ring", "tree", "hierarchical"]
 _HEAD = struct.Struct("<QI")
 #: Step number of the message that returns a folded rank's result.
 _RETURN_STEP = 0xFFFF_FFFF
@@ -154,6 +155,7 @@ class Group:
         self._subgroups = 0
         self._children: list[Group] = []
         self._metrics = Metrics()
+        self._hierarchy: hierarchy.Hierarchy | None = None
 
     # -- creation -------------------------------------------------------------
 
@@ -196,6 +198,10 @@ class Group:
             raise ConfigError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
         if not master.startswith("tcp://"):
             raise ConfigError(f"the master address must be tcp://host:port, got {master!r}")
+        placed = None if config.topology is None else hierarchy.hierarchy(config.topology).size
+        if placed is not None and placed != world_size:
+            raise ConfigError(f"GroupConfig.topology places {placed} ranks, the world has "
+                              f"{world_size}")
         if listen is not None and listen.startswith("inproc://"):
             # inproc:// hands the receiver the sender's own buffers, which an
             # in-place operation goes on to change: use tcp:// on loopback.
@@ -290,12 +296,22 @@ class Group:
 
     @property
     def topology(self) -> dict[str, list[int]]:
-        """Which ranks share a host: host name -> ranks of this group on it."""
+        """Which ranks share a host: host name -> ranks of this group on it.
+
+        Learned at the rendezvous from each rank's host name and the address
+        it listens on (ranks that share a name but not an address are on
+        different hosts), unless ``GroupConfig.topology`` says otherwise.
+        """
         hosts = self._runtime.hosts()
         out: dict[str, list[int]] = {}
         for rank, member in enumerate(self._members):
             out.setdefault(hosts[member], []).append(rank)
         return out
+
+    def _hier(self) -> hierarchy.Hierarchy:
+        if self._hierarchy is None:
+            self._hierarchy = hierarchy.hierarchy(self.topology)
+        return self._hierarchy
 
     # -- the operation queue ---------------------------------------------------
 
@@ -561,24 +577,54 @@ class Group:
     def _per_segment(self, flat: Flat) -> int:
         return max(1, self.config.segment_bytes // max(flat.itemsize, 1))
 
-    def _large(self, nbytes: int, algorithm: Algorithm) -> bool:
-        if algorithm not in ("auto", "ring", "tree"):
-            raise InvalidArgument(f"algorithm must be 'auto', 'ring' or 'tree', got {algorithm!r}")
+    def _large(self, nbytes: int, algorithm: Algorithm, *, hierarchical: bool = False) -> bool:
+        allowed = ("auto", "ring", "tree", "hierarchical") if hierarchical else (
+            "auto", "ring", "tree")
+        if algorithm not in allowed:
+            raise InvalidArgument(
+                f"algorithm must be one of {', '.join(map(repr, allowed))}, got {algorithm!r}")
         if algorithm == "auto":
             return nbytes > self.config.small_bytes
         return algorithm == "ring"
 
+    def _hierarchical(self, nbytes: int, algorithm: Algorithm) -> hierarchy.Hierarchy | None:
+        """The hierarchy to run an operation of ``nbytes`` by, or ``None`` for a flat one.
+
+        ``"auto"`` takes it when it moves fewer bytes between hosts (several
+        hosts, more than one rank on some) and the message is larger than
+        ``GroupConfig.hierarchical_bytes``.
+        """
+        if algorithm == "hierarchical":
+            return self._hier()
+        limit = self.config.hierarchical_bytes
+        if algorithm != "auto" or limit is None or nbytes <= limit:
+            return None
+        hier = self._hier()
+        return hier if hier.helps else None
+
     # -- building blocks ---------------------------------------------------------
 
+    def _ring_of(self, ring: Sequence[int] | None) -> tuple[int, int, int, int]:
+        """``(position, size, right, left)`` of this rank in ``ring`` (default: all ranks)."""
+        if ring is None:
+            n = self.world_size
+            return self.rank, n, (self.rank + 1) % n, (self.rank - 1) % n
+        n, position = len(ring), ring.index(self.rank)
+        return position, n, ring[(position + 1) % n], ring[(position - 1) % n]
+
     async def _ring_reduce_scatter(self, op: _Op, flat: Flat, a: Any,
-                                   bounds: list[tuple[int, int]], reduce: ReduceOp) -> None:
-        """Leave block ``rank`` of ``a`` (by ``bounds``) reduced over all ranks."""
-        n = self.world_size
-        right, left = (self.rank + 1) % n, (self.rank - 1) % n
+                                   bounds: list[tuple[int, int]], reduce: ReduceOp,
+                                   ring: Sequence[int] | None = None,
+                                   first_step: int = 0) -> None:
+        """Leave block ``position`` of ``a`` (by ``bounds``) reduced over the
+        ranks of ``ring`` (default: all, and position = rank)."""
+        position, n, right, left = self._ring_of(ring)
         per = self._per_segment(flat)
         scratch = flat.empty(min(per, max(hi - lo for lo, hi in bounds)))
 
-        for step, plan in enumerate(schedule.ring_reduce_scatter(self.rank, n)):
+        for index, plan in enumerate(schedule.ring_reduce_scatter(position, n)):
+            step = first_step + index
+
             async def send(lo: int, hi: int, step: int = step) -> None:
                 for s_lo, s_hi in schedule.segments(lo, hi, per):
                     await self._send(right, op, step, [flat.frame(a[s_lo:s_hi])])
@@ -593,23 +639,30 @@ class Group:
             await _all(send(*bounds[plan.send]), receive(*bounds[plan.recv]))
 
     async def _ring_allgather(self, op: _Op, flat: Flat, a: Any,
-                              bounds: list[tuple[int, int]], first_step: int) -> None:
-        """Spread block ``i`` of ``a`` from rank ``i`` to all; receives land in ``a``."""
-        n = self.world_size
-        right, left = (self.rank + 1) % n, (self.rank - 1) % n
+                              blocks: Sequence[Sequence[tuple[int, int]]], first_step: int,
+                              ring: Sequence[int] | None = None) -> None:
+        """Spread block ``i`` of ``a`` from the ``i``-th rank of ``ring``
+        (default: rank ``i``) to all of them; receives land in ``a``.
+
+        A block is a list of ``[lo, hi)`` ranges (a host's ranks need not be
+        adjacent); each range moves in segments.
+        """
+        position, n, right, left = self._ring_of(ring)
         per = self._per_segment(flat)
-        for index, plan in enumerate(schedule.ring_allgather(self.rank, n)):
+        for index, plan in enumerate(schedule.ring_allgather(position, n)):
             step = first_step + index
 
-            async def send(lo: int, hi: int, step: int = step) -> None:
-                for s_lo, s_hi in schedule.segments(lo, hi, per):
-                    await self._send(right, op, step, [flat.frame(a[s_lo:s_hi])])
+            async def send(ranges: Sequence[tuple[int, int]], step: int = step) -> None:
+                for lo, hi in ranges:
+                    for s_lo, s_hi in schedule.segments(lo, hi, per):
+                        await self._send(right, op, step, [flat.frame(a[s_lo:s_hi])])
 
-            async def receive(lo: int, hi: int, step: int = step) -> None:
-                for s_lo, s_hi in schedule.segments(lo, hi, per):
-                    await self._recv(left, op, step, [flat.frame(a[s_lo:s_hi])])
+            async def receive(ranges: Sequence[tuple[int, int]], step: int = step) -> None:
+                for lo, hi in ranges:
+                    for s_lo, s_hi in schedule.segments(lo, hi, per):
+                        await self._recv(left, op, step, [flat.frame(a[s_lo:s_hi])])
 
-            await _all(send(*bounds[plan.send]), receive(*bounds[plan.recv]))
+            await _all(send(blocks[plan.send]), receive(blocks[plan.recv]))
 
     async def _doubling_allreduce(self, op: _Op, flat: Flat, a: Any, reduce: ReduceOp) -> None:
         plan = schedule.recursive_doubling(self.rank, self.world_size)
@@ -671,6 +724,97 @@ class Group:
             if sending is not None and not sending.done():
                 sending.cancel()
 
+    async def _chain_reduce(self, op: _Op, flat: Flat, a: Any, reduce: ReduceOp,
+                            source: int | None, dest: int | None, step: int) -> None:
+        """Pipelined chain reduction: segment by segment, add what ``source``
+        sends into ``a`` (through one segment of scratch) and pass the sum on
+        to ``dest``."""
+        per = self._per_segment(flat)
+        scratch = flat.empty(min(per, flat.size)) if source is not None else None
+        sending: asyncio.Future[None] | None = None
+        try:
+            for lo, hi in schedule.segments(0, flat.size, per):
+                if scratch is not None and source is not None:
+                    part = scratch[: hi - lo]
+                    await self._recv(source, op, step, [flat.frame(part)])
+                    flat.reduce_into(reduce, a[lo:hi], part)
+                    flat.sync()
+                if dest is not None:
+                    if sending is not None:
+                        await sending
+                    sending = asyncio.ensure_future(
+                        self._send(dest, op, step, [flat.frame(a[lo:hi])]))
+            if sending is not None:
+                await sending
+        finally:
+            if sending is not None and not sending.done():
+                sending.cancel()
+
+    async def _fan_chain(self, op: _Op, flat: Flat, a: Any, previous: int | None,
+                         followers: Sequence[int], step: int) -> None:
+        """Pipelined broadcast along a tree of chains: each segment arrives
+        from ``previous`` straight into ``a``, then goes on to every follower
+        while the next segment arrives."""
+        if previous is None and not followers:
+            return
+        sending: asyncio.Future[None] | None = None
+        try:
+            for lo, hi in schedule.segments(0, flat.size, self._per_segment(flat)):
+                part = [flat.frame(a[lo:hi])]
+                if previous is not None:
+                    await self._recv(previous, op, step, part)
+                if followers:
+                    if sending is not None:
+                        await sending
+                    sending = asyncio.ensure_future(
+                        _all(*(self._send(f, op, step, part) for f in followers)))
+            if sending is not None:
+                await sending
+        finally:
+            if sending is not None and not sending.done():
+                sending.cancel()
+
+    async def _hierarchical_allreduce(self, op: _Op, flat: Flat, a: Any, reduce: ReduceOp,
+                                      hier: hierarchy.Hierarchy) -> None:
+        """Chain reduce to each host's leader, ring allreduce among the
+        leaders, chain broadcast from each leader (see :mod:`._hierarchy`)."""
+        plan = hierarchy.allreduce_plan(hier, self.rank)
+        h = len(hier.hosts)
+        await self._chain_reduce(op, flat, a, reduce, plan.reduce_from, plan.reduce_to, 0)
+        if plan.ring:
+            bounds = schedule.split(flat.size, h)
+            if h > 1:
+                await self._ring_reduce_scatter(op, flat, a, bounds, reduce, plan.ring, 1)
+            if reduce is ReduceOp.AVG:
+                lo, hi = bounds[plan.position]
+                flat.divide(a[lo:hi], self.world_size)
+                flat.sync()
+            if h > 1:
+                await self._ring_allgather(op, flat, a, [[b] for b in bounds], h, plan.ring)
+        bcast = (plan.bcast_to,) if plan.bcast_to is not None else ()
+        await self._fan_chain(op, flat, a, plan.bcast_from, bcast, 2 * h)
+
+    async def _hierarchical_allgather(self, op: _Op, flat: Flat, a: Any, count: int,
+                                      hier: hierarchy.Hierarchy) -> None:
+        """Gather each host's blocks at its leader, ring allgather of host
+        blocks among the leaders, chain broadcast of everything from each leader."""
+        plan = hierarchy.allgather_plan(hier, self.rank)
+        h = len(hier.hosts)
+
+        def block(rank: int) -> Any:
+            return flat.frame(a[rank * count:(rank + 1) * count])
+
+        if plan.gather_to is not None:
+            await self._send(plan.gather_to, op, 0, [block(self.rank)])
+        elif plan.gather_from:
+            await _all(*(self._recv(peer, op, 0, [block(peer)]) for peer in plan.gather_from))
+        if plan.ring and h > 1:
+            blocks = [_runs([(r * count, (r + 1) * count) for r in ranks])
+                      for ranks in plan.blocks]
+            await self._ring_allgather(op, flat, a, blocks, 1, plan.ring)
+        bcast = (plan.bcast_to,) if plan.bcast_to is not None else ()
+        await self._fan_chain(op, flat, a, plan.bcast_from, bcast, h)
+
     # -- collective operations ---------------------------------------------------
 
     def allreduce(
@@ -690,25 +834,28 @@ class Group:
         """
         flat = flatten(x)
         reduce = _check_op(op, flat)
-        large = self._large(flat.nbytes, algorithm)
+        large = self._large(flat.nbytes, algorithm, hierarchical=True)
+        hier = self._hierarchical(flat.nbytes, algorithm)
 
         async def body(o: _Op) -> Any:
             n, a = self.world_size, flat.array
             if n == 1 or flat.size == 0:
                 return flat.result()
-            if large and flat.size >= n:
+            if hier is not None:
+                await self._hierarchical_allreduce(o, flat, a, reduce, hier)
+            elif large and flat.size >= n:
                 bounds = schedule.split(flat.size, n)
                 await self._ring_reduce_scatter(o, flat, a, bounds, reduce)
                 if reduce is ReduceOp.AVG:
                     lo, hi = bounds[self.rank]
                     flat.divide(a[lo:hi], n)
                     flat.sync()
-                await self._ring_allgather(o, flat, a, bounds, n)
+                await self._ring_allgather(o, flat, a, [[b] for b in bounds], n)
             else:
                 await self._doubling_allreduce(o, flat, a, reduce)
             return flat.result()
 
-        return self._submit(f"allreduce({flat.describe()},{reduce.value})",
+        return self._submit(f"allreduce({flat.describe()},{reduce.value}{_mark(hier)})",
                             body, timeout)
 
     def reduce(self, x: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM, *,
@@ -758,17 +905,21 @@ class Group:
         """
         _check_root(root, self.world_size)
         flat = flatten(x, writable=self.rank != root)
-        large = self._large(flat.nbytes, algorithm)
+        large = self._large(flat.nbytes, algorithm, hierarchical=True)
+        hier = self._hierarchical(flat.nbytes, algorithm)
 
         async def body(o: _Op) -> Any:
             if self.world_size > 1 and flat.size > 0:
-                if large:
+                if hier is not None:
+                    plan = hierarchy.broadcast_plan(hier, self.rank, root)
+                    await self._fan_chain(o, flat, flat.array, plan.previous, plan.followers, 0)
+                elif large:
                     await self._chain_broadcast(o, flat, flat.array, root)
                 else:
                     await self._tree_broadcast(o, flat, flat.array, root)
             return flat.result()
 
-        return self._submit(f"broadcast({flat.describe()},root={root})",
+        return self._submit(f"broadcast({flat.describe()},root={root}{_mark(hier)})",
                             body, timeout)
 
     def allgather(self, x: Any, *, out: Any = None, algorithm: Algorithm = "auto",
@@ -783,7 +934,8 @@ class Group:
         n = self.world_size
         shape = (n, *flat.shape)
         target = _output(flat, out, shape)
-        large = self._large(flat.nbytes * n, algorithm)
+        large = self._large(flat.nbytes * n, algorithm, hierarchical=True)
+        hier = self._hierarchical(flat.nbytes * n, algorithm)
 
         async def body(o: _Op) -> Any:
             count, a, result = flat.size, target.array, target.array
@@ -794,13 +946,15 @@ class Group:
             if n == 1 or count == 0:
                 return target.result()
             bounds = [(i * count, (i + 1) * count) for i in range(n)]
-            if large:
-                await self._ring_allgather(o, target, a, bounds, 0)
+            if hier is not None:
+                await self._hierarchical_allgather(o, target, a, count, hier)
+            elif large:
+                await self._ring_allgather(o, target, a, [[b] for b in bounds], 0)
             else:
                 await self._bruck_allgather(o, target, a, count)
             return target.result()
 
-        return self._submit(f"allgather({flat.describe()})", body, timeout)
+        return self._submit(f"allgather({flat.describe()}{_mark(hier)})", body, timeout)
 
     async def _bruck_allgather(self, op: _Op, flat: Flat, a: Any, count: int) -> None:
         n = self.world_size
@@ -1114,6 +1268,23 @@ class Group:
 
     def __repr__(self) -> str:
         return f"<Group {self.id} rank {self.rank} of {self.world_size}>"
+
+
+def _mark(hier: hierarchy.Hierarchy | None) -> str:
+    """What a hierarchical call adds to its description, so that ranks that
+    chose differently are told apart by the first message."""
+    return "" if hier is None else ",hierarchical"
+
+
+def _runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` with adjacent ones merged: fewer, larger messages."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def _c_ordered(flat: Flat, operation: str) -> Flat:
