@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("-n", "--nproc", type=int, required=True, help="how many ranks")
     launch.add_argument("--listen", metavar="URL",
                         help="the ranks' data transport (default tcp://0.0.0.0:0)")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="start every rank again after a failure, up to N times "
+                             "(the ranks read TENSORWIRE_RESTART_COUNT)")
     launch.add_argument("program", help="a .py file (run with this Python) or a command")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
 
@@ -365,7 +368,8 @@ def _launch(args: argparse.Namespace) -> int:
     from .collective import launch
 
     argv = [sys.executable, args.program] if args.program.endswith(".py") else [args.program]
-    result = asyncio.run(launch([*argv, *args.args], args.nproc, listen=args.listen))
+    result = asyncio.run(launch([*argv, *args.args], args.nproc, listen=args.listen,
+                                max_restarts=args.max_restarts))
     return result.exit_code
 
 

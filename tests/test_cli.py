@@ -105,6 +105,21 @@ def test_launch_fails_fast_with_the_ranks_status(tmp_path: Path) -> None:
     assert "[launch] rank 2 exited with status 7" in result.stdout
 
 
+def test_launch_restarts_a_failed_job(tmp_path: Path) -> None:
+    script = tmp_path / "flaky.py"
+    script.write_text("import os, sys\n"
+                      "attempt = os.environ['TENSORWIRE_RESTART_COUNT']\n"
+                      "if os.environ['RANK'] == '1' and attempt == '0':\n"
+                      "    sys.exit(5)\n"
+                      "print('attempt', attempt, 'ok')\n")
+    result = run("launch", "-n", "2", "--max-restarts", "1", str(script), timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[launch] rank 1 exited with status 5" in result.stdout
+    assert "[launch] restarting all 2 ranks (restart 1 of 1)" in result.stdout
+    assert "[rank 0] attempt 1 ok" in result.stdout
+    assert "[rank 1] attempt 1 ok" in result.stdout
+
+
 def test_log_level_from_the_environment() -> None:
     env = {**os.environ, "TENSORWIRE_LOG": "nonsense"}
     result = subprocess.run([*COMMAND, "info"], capture_output=True, text=True, env=env,

@@ -6,6 +6,13 @@ Like torchrun on one host: each child gets the environment
 this launcher serves), its output lines are prefixed with its rank, SIGINT
 and SIGTERM are passed on to every child, and when one child fails the
 others are stopped at once, so a broken job never hangs.
+
+A group whose rank failed is broken for good, as an NCCL communicator is.
+What re-forms it is a restart, as torchrun's ``--max-restarts`` does: with
+``max_restarts`` the launcher stops every rank, serves a fresh rendezvous
+and starts all ranks again, with ``TENSORWIRE_RESTART_COUNT`` (and
+torchrun's ``TORCHELASTIC_RESTART_COUNT``) telling them which attempt this
+is, so they resume from their own checkpoint.
 """
 
 from __future__ import annotations
@@ -37,14 +44,18 @@ class LaunchResult:
     """How the ranks ended.
 
     Attributes:
-        returncodes: each rank's exit status (negative: killed by that signal).
-        failed_rank: the first rank seen to fail, or ``None``. When one rank's
-            failure makes the others fail within moments, which is seen first
-            is a matter of timing: the launcher prints every failed rank.
+        returncodes: each rank's exit status in the last attempt (negative:
+            killed by that signal).
+        failed_rank: the first rank seen to fail in the last attempt, or
+            ``None``. When one rank's failure makes the others fail within
+            moments, which is seen first is a matter of timing: the launcher
+            prints every failed rank.
+        restarts: how many times every rank was started again.
     """
 
     returncodes: tuple[int, ...]
     failed_rank: int | None
+    restarts: int = 0
 
     @property
     def exit_code(self) -> int:
@@ -64,6 +75,7 @@ async def launch(
     output: TextIO | None = None,
     grace: float = 5.0,
     config: GroupConfig | None = None,
+    max_restarts: int = 0,
 ) -> LaunchResult:
     """Run ``argv`` as ``processes`` ranks of one group on this host.
 
@@ -75,31 +87,56 @@ async def launch(
         output: where the prefixed lines go (default: standard output).
         grace: seconds a stopped rank gets after SIGTERM before SIGKILL.
         config: the rendezvous's settings (its heartbeat timeout).
+        max_restarts: how often a failed job is started again, all ranks
+            together (a signal passed on to the ranks never restarts them).
 
     Raises:
-        ConfigError: no command, or fewer than one process.
+        ConfigError: no command, fewer than one process, or a negative
+            ``max_restarts``.
     """
     if not argv:
         raise ConfigError("launch needs a command to run")
     if not isinstance(processes, int) or processes < 1:
         raise ConfigError(f"launch needs at least one process, got {processes!r}")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ConfigError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
     out = output or sys.stdout
-    server, master = await serve_rendezvous("tcp://127.0.0.1:0", processes, config=config)
     base = dict(os.environ if env is None else env)
     base.update(WORLD_SIZE=str(processes), LOCAL_WORLD_SIZE=str(processes),
-                TENSORWIRE_MASTER=master, TENSORWIRE_MASTER_HOSTED="1")
+                TENSORWIRE_MASTER_HOSTED="1")
     if listen:
         base["TENSORWIRE_LISTEN"] = listen
+    signalled: list[int] = []
+    restarts = 0
+    while True:
+        base.update(TENSORWIRE_RESTART_COUNT=str(restarts),
+                    TORCHELASTIC_RESTART_COUNT=str(restarts))
+        result = await _attempt(argv, processes, base, out, grace, config, signalled)
+        result = dataclasses.replace(result, restarts=restarts)
+        if result.failed_rank is None or signalled or restarts == max_restarts:
+            return result
+        restarts += 1
+        out.write(f"[launch] restarting all {processes} ranks "
+                  f"(restart {restarts} of {max_restarts})\n")
+        out.flush()
+
+
+async def _attempt(argv: Sequence[str], processes: int, base: dict[str, str], out: TextIO,
+                   grace: float, config: GroupConfig | None,
+                   signalled: list[int]) -> LaunchResult:
+    """Start every rank once, with a rendezvous of its own, and supervise them."""
+    server, master = await serve_rendezvous("tcp://127.0.0.1:0", processes, config=config)
     children: list[asyncio.subprocess.Process] = []
     loop = asyncio.get_running_loop()
     try:
         for rank in range(processes):
             children.append(await asyncio.create_subprocess_exec(
-                *argv, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                *argv, env={**base, "TENSORWIRE_MASTER": master, "RANK": str(rank),
+                            "LOCAL_RANK": str(rank)},
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
             ))
-        forwarded = _forward_signals(loop, children)
+        forwarded = _forward_signals(loop, children, signalled)
         try:
             return await _supervise(children, out, grace)
         finally:
@@ -114,8 +151,10 @@ async def launch(
 
 
 def _forward_signals(loop: asyncio.AbstractEventLoop,
-                     children: list[asyncio.subprocess.Process]) -> list[int]:
+                     children: list[asyncio.subprocess.Process],
+                     signalled: list[int]) -> list[int]:
     def forward(signum: int) -> None:
+        signalled.append(signum)
         logger.info("passing signal %d on to %d ranks", signum, len(children))
         for child in children:
             if child.returncode is None:
