@@ -1,5 +1,5 @@
 """The parameter server across emulated hosts: a shard killed and restored,
-and the workers' own link cut.
+the workers' own link cut, a worker killed.
 
 Shard 0 runs on host 0, shard 1 on host 1, two synchronous workers on host
 2. In the first test shard 0 (checkpointing every 3 updates) is killed with
@@ -8,7 +8,9 @@ checkpoint directory; the workers retry, training finishes, and both end
 with the same parameters. In the second the workers' host loses its link for
 a few seconds; they notice within their heartbeat timeout, reconnect by
 themselves once it is back, and end with exactly the parameters of the same
-steps run in one process: no push was lost or applied twice.
+steps run in one process: no push was lost or applied twice. In the third a
+synchronous worker on its own host is killed; the survivor on another host
+fails at its deadline, naming the missing worker.
 """
 
 from __future__ import annotations
@@ -62,6 +64,31 @@ async def main():
             print(json.dumps({{"step": step, "at": time.monotonic()}}), flush=True)
             await asyncio.sleep(0.05)
     print(json.dumps({{k: v.tolist() for k, v in params.items()}}), flush=True)
+asyncio.run(main())
+"""
+LONE_WORKER = """
+import asyncio, json, sys, time
+import numpy as np
+from tensorwire import ps
+from tensorwire.errors import TensorwireError
+addresses, worker = sys.argv[1].split(","), int(sys.argv[2])
+async def main():
+    config = ps.PSConfig(chunk_bytes=1024, timeout=3)
+    client = await ps.connect(addresses, worker=worker, num_workers=2, optimizer=ps.SGD(lr=0.1),
+                              config=config)
+    async with client:
+        await client.init({"w": np.zeros(1000, np.float32)})
+        step = 0
+        while True:
+            try:
+                await client.push_pull({"w": np.ones(1000, np.float32)})
+            except TensorwireError as exc:
+                print(json.dumps({"error": type(exc).__name__, "message": str(exc),
+                                  "at": time.monotonic()}), flush=True)
+                return
+            print(json.dumps({"step": step}), flush=True)
+            step += 1
+            await asyncio.sleep(0.02)
 asyncio.run(main())
 """
 STATUS = """
@@ -198,3 +225,36 @@ async def test_the_workers_link_cut_for_seconds_loses_and_doubles_nothing(
         assert status["lost_steps"] == 0
     print(f"ps workers' link cut for {cut_seconds:.0f} s: training went on "
           f"{recovered:.2f} s after the link was back, finished at step {STEPS}")
+
+
+@pytest.mark.slow
+async def test_a_killed_worker_is_named_by_the_survivor_at_its_deadline(
+        bed: Testbed) -> None:
+    async with shard_in(bed, 0, f"tcp://{bed.address(0)}:0") as (_, first), \
+            shard_in(bed, 0, f"tcp://{bed.address(0)}:0") as (_, second):
+        addresses = f"{first},{second}"
+        survivor, victim = [await spawn(bed, host, "-c", LONE_WORKER, addresses, str(worker))
+                            for worker, host in ((0, 1), (1, 2))]
+        assert survivor.stdout is not None and victim.stdout is not None
+        while True:
+            line = await asyncio.wait_for(victim.stdout.readline(), 60)
+            assert line, (await victim.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
+            if json.loads(line).get("step") == 5:
+                break
+        victim.kill()
+        killed = time.monotonic()
+        await victim.wait()
+        while True:
+            line = await asyncio.wait_for(survivor.stdout.readline(), 30)
+            assert line, (await survivor.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
+            report = json.loads(line)
+            if "error" in report:
+                break
+        assert await asyncio.wait_for(survivor.wait(), 30) == 0
+    assert report["error"] == "DeadlineExceeded", report
+    assert "workers [1]" in report["message"], report
+    detected = report["at"] - killed
+    # The 3 s deadline of the step the survivor was in, not a hang.
+    assert detected < 30
+    print(f"ps worker killed on its host: the survivor on another host failed after "
+          f"{detected:.2f} s with: {report['message']}")
