@@ -249,6 +249,46 @@ async def until_failure(group: Group) -> None:
                text=str(exc), at=time.time(), done=done)
 
 
+async def hierarchy_and_link_bytes(group: Group) -> None:
+    """Hierarchical operations against NumPy; then a flat ring and a
+    hierarchical allreduce of 16 MiB, each started when the test (which
+    reads the hosts' link counters in between) writes a line to stdin."""
+    n, rank = group.world_size, group.rank
+    checks = 0
+    for case, (count, dtype) in enumerate([(1, "int64"), (1009, "float32"),
+                                           (300_000, "float64"), (70_001, "int32")]):
+        inputs = [data(r, case, count, dtype) for r in range(n)]
+        for name in ("sum", "max", "avg"):
+            if name == "avg" and dtype.startswith("int"):
+                continue
+            x = inputs[rank].copy()
+            await group.allreduce(x, ReduceOp(name), algorithm="hierarchical")
+            check(x, REDUCTIONS[name](np.stack(inputs)).astype(dtype),
+                  f"hierarchical allreduce {name} {dtype}[{count}]")
+            checks += 1
+        for root in range(n):
+            x = inputs[rank].copy()
+            await group.broadcast(x, root=root, algorithm="hierarchical")
+            check(x, inputs[root], f"hierarchical broadcast {dtype}[{count}] root {root}")
+            checks += 1
+        parts = await group.allgather(inputs[rank], algorithm="hierarchical")
+        check(parts, np.stack(inputs), f"hierarchical allgather {dtype}[{count}]")
+        checks += 1
+    report(rank=rank, topology=group.topology, checks=checks)
+    loop = asyncio.get_running_loop()
+    x = np.empty(4 << 20, np.float32)
+    for algorithm in ("ring", "hierarchical"):
+        await group.barrier()
+        report(rank=rank, ready=algorithm)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        x[:] = rank
+        await group.allreduce(x, algorithm=algorithm)  # type: ignore[arg-type]
+        check(x[:: 1 << 16], np.full(64, n * (n - 1) / 2, np.float32), f"{algorithm} 16 MiB")
+        await group.barrier()
+        report(rank=rank, done=algorithm)
+    report(rank=rank, ok=True)
+
+
 SCENARIOS: dict[str, Callable[[Group], Any]] = {
     "ops": ops,
     "torch": torch_ops,
@@ -257,6 +297,7 @@ SCENARIOS: dict[str, Callable[[Group], Any]] = {
     "deadline": deadline,
     "dies": dies,
     "until_failure": until_failure,
+    "hierarchy": hierarchy_and_link_bytes,
 }
 
 
