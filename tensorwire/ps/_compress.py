@@ -157,11 +157,42 @@ def _fp8_values(fmt: str) -> np.ndarray[Any, np.dtype[np.float64]]:
     """The value of each of the 256 codes, for decoding by table lookup.
 
     A lookup with the scale folded into the 256 entries is one pass over the
-    chunk, about twice as fast as ml_dtypes' cast followed by a multiply.
+    chunk, several times faster than ml_dtypes' cast followed by a multiply.
     """
     values = np.arange(256, dtype=np.uint8).view(_fp8_dtype(fmt)).astype(np.float64)
     values.flags.writeable = False
     return values
+
+
+@functools.cache
+def _fp8_codes(fmt: str) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The fp8 code of each float32 whose low 16 bits are zero, by its high 16 bits."""
+    high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    with np.errstate(invalid="ignore", over="ignore"):
+        codes = high.view(np.float32).astype(_fp8_dtype(fmt)).view(np.uint8)
+    codes.flags.writeable = False
+    return codes
+
+
+def _float32_to_fp8(scaled: np.ndarray[Any, np.dtype[np.float32]], fmt: str) -> Array:
+    """Round finite float32 values within the format's range to fp8 codes.
+
+    The same codes as ml_dtypes' cast (round to nearest even), at about three
+    times its speed: the value is first rounded to its high 16 bits *to
+    odd* (truncate, then set the last bit if anything nonzero was cut),
+    which never changes the final rounding to fewer bits (Boldo and
+    Melquiond 2008, "Emulation of FMA and correctly rounded sums: proved
+    algorithms using rounding to odd"; fp8 keeps at most 3 of bfloat16's 7
+    mantissa bits), and a 65536-entry table does the rest.
+    """
+    bits = scaled.view(np.uint32)
+    # (low 16 bits + 0xFFFF) carries into bit 16 exactly when they are nonzero.
+    index = np.bitwise_and(bits, np.uint32(0xFFFF))
+    index += np.uint32(0xFFFF)
+    index |= bits
+    index >>= np.uint32(16)
+    codes: Array = np.take(_fp8_codes(fmt), index)
+    return codes
 
 
 class FP8(Compressor):
@@ -203,15 +234,15 @@ class FP8(Compressor):
             return {"data": np.zeros(grad.size, np.uint8), "scale": 1.0}
         scale = peak / self.fmax
         factor = self.fmax / peak
-        work = grad
-        if work.dtype != np.float64 and factor > float(np.finfo(work.dtype).max) / 2:
-            # The peak is (near) a subnormal of the gradient's type: 1/scale
-            # overflows it, so scale in float64.
-            work = grad.astype(np.float64)
         # |grad| * factor <= fmax up to one rounding, far below the point
         # where the cast would overflow to NaN (fmax plus half a step).
-        scaled = np.multiply(work, factor, dtype=work.dtype)
-        return {"data": scaled.astype(fp8).view(np.uint8), "scale": scale}
+        if grad.dtype.itemsize <= 4 and factor < 1e37:
+            scaled = np.multiply(grad, factor, dtype=np.float32)
+            return {"data": _float32_to_fp8(scaled, self.format), "scale": scale}
+        # float64 gradients, and a peak that is (near) a float32 subnormal so
+        # that 1/scale overflows float32: scale in float64, let ml_dtypes round.
+        scaled64 = np.multiply(grad, factor, dtype=np.float64)
+        return {"data": scaled64.astype(fp8).view(np.uint8), "scale": scale}
 
     @classmethod
     def _decode(cls, payload: Payload, dtype: np.dtype[Any]) -> Array:
@@ -224,7 +255,7 @@ class FP8(Compressor):
         # The products are rounded once, from float64, so a scale that is
         # subnormal in ``dtype`` loses nothing.
         table = (_fp8_values(cls.format) * scale).astype(dtype)
-        result: Array = table[data]
+        result: Array = np.take(table, data)
         return result
 
 

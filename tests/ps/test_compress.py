@@ -100,6 +100,27 @@ def test_fp8_matches_ml_dtypes_with_a_per_chunk_scale(name: str, fmt: str, fmax:
     assert out[peak] == pytest.approx(g[peak], rel=1e-6)
 
 
+@pytest.mark.parametrize(("name", "fmt", "fmax", "mantissa"), FP8)
+def test_fp8_rounding_is_ml_dtypes_bit_for_bit(name: str, fmt: str, fmax: float,
+                                               mantissa: int) -> None:
+    # The fast path rounds through a table (round to odd first); every
+    # representable value, every tie between two neighbours and the floats
+    # just beside each tie must come out as ml_dtypes' own cast.
+    import ml_dtypes
+
+    fp8 = getattr(ml_dtypes, fmt)
+    values = np.arange(256, dtype=np.uint8).view(fp8).astype(np.float64)
+    values = np.unique(values[np.isfinite(values)])
+    ties = ((values[1:] + values[:-1]) / 2).astype(np.float32)
+    x = np.concatenate([values.astype(np.float32), ties,
+                        np.nextafter(ties, np.float32(np.inf)),
+                        np.nextafter(ties, np.float32(-np.inf)),
+                        grad(10_000) * np.float32(fmax / 4),
+                        np.float32([1e-30, -1e-38, 1e-45, -0.0])])
+    codes = ps_compress._float32_to_fp8(x, fmt)
+    np.testing.assert_array_equal(codes, x.astype(fp8).view(np.uint8))
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_payload_is_one_byte_per_entry_and_a_scale(name: str) -> None:
     n = 1 << 16
