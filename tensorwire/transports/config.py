@@ -42,7 +42,11 @@ class Limits:
             raise ConfigError("Limits.max_frames must be at most 2**24")
 
 
-ProgressMode = Literal["blocking", "polling", "thread", "thread-polling"]
+ProgressMode = Literal["blocking", "polling"]
+#: ucxx's own modes that run progress on a second thread: refused, because
+#: their completions reach asyncio through that thread and measured 10x the
+#: round-trip time here (see ucx.py, "Progress modes").
+_THREAD_MODES = ("thread", "thread-polling")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,7 +73,12 @@ class UCXOptions:
     environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
+        if self.progress_mode in _THREAD_MODES:
+            raise ConfigError(
+                f"ucx:// drives UCX from the event loop and supports the 'blocking' and "
+                f"'polling' progress modes, not {self.progress_mode!r}"
+            )
+        if self.progress_mode not in ("blocking", "polling"):
             raise ConfigError(f"unknown UCX progress mode {self.progress_mode!r}")
         if not isinstance(self.spin, int | float) or not 0 <= self.spin <= 1:
             raise ConfigError(f"UCXOptions.spin must be 0 to 1 seconds, got {self.spin!r}")

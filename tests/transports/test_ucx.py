@@ -124,10 +124,16 @@ async def test_other_options_later_are_refused() -> None:
             assert as_bytes((await conn.recv())[0]) == b"fine"
 
 
-async def test_thread_progress_modes_are_refused() -> None:
-    config = TransportConfig(ucx=UCXOptions(progress_mode="thread"))
-    with pytest.raises(ConfigError, match="progress mode"):
-        await listen("ucx://127.0.0.1:0", echo, config=config)
+@pytest.mark.parametrize("mode", ["thread", "thread-polling"])
+def test_thread_progress_modes_are_refused_at_construction(mode: str) -> None:
+    # Refused when the options are built, not on first use: no UCX needed.
+    with pytest.raises(ConfigError, match="progress modes, not"):
+        UCXOptions(progress_mode=mode)  # type: ignore[arg-type]
+
+
+def test_unknown_progress_mode_is_refused() -> None:
+    with pytest.raises(ConfigError, match="unknown UCX progress mode"):
+        UCXOptions(progress_mode="spinning")  # type: ignore[arg-type]
 
 
 async def test_polling_progress_mode_works() -> None:
