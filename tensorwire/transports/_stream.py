@@ -23,6 +23,7 @@ from ._base import (
     device_nbytes,
     host_view,
     is_device_frame,
+    start_eagerly,
 )
 from ._wire import GOODBYE, FrameReader, Goodbye, pack_header
 from .config import TransportConfig
@@ -159,7 +160,10 @@ class StreamConnection(Connection):
         buffers = _outgoing_many(messages)
         self._count_out(len(messages), buffers)
         if not self._writes_now or self._send_lock.locked() or self._tail is not None:
-            return self._loop.create_task(self._send_locked(buffers))
+            # Started now, not from a task's first step: it takes its place
+            # in the send lock's queue before this returns, so a send()
+            # called afterwards cannot overtake it.
+            return start_eagerly(self._send_locked(buffers))
         try:
             self._write_now(buffers)
         except OSError as exc:

@@ -515,6 +515,41 @@ async def test_send_nowait_keeps_order_with_sends_and_reports_when_done(listen_u
     assert received == [b"first...", b"second..", b"big.....", b"after...", b"last...."]
 
 
+async def test_a_send_started_after_a_queued_send_nowait_goes_after_it(
+    listen_url: str,
+) -> None:
+    # send() is awaited directly (it runs at once, up to the send lock), after
+    # a send_nowait() that had to queue behind a write the socket could not
+    # take: the queued messages still go first.
+    release = asyncio.Event()
+    received: list[bytes] = []
+    done = asyncio.Event()
+
+    async def slow(conn: Connection) -> None:
+        await release.wait()
+        with contextlib.suppress(ConnectionClosedError):
+            while True:
+                frames = await conn.recv()
+                received.append(as_bytes(frames[0])[:8])
+                if len(received) == 4:
+                    done.set()
+
+    small = TransportConfig(socket_sndbuf=1 << 16, socket_rcvbuf=1 << 16)
+    async with serving(listen_url, slow, small) as listener:
+        conn = await connect(listener.address, config=small)
+        big = conn.send_nowait([[b"big.....", np.zeros(16 << 20, np.uint8)]])
+        queued = conn.send_nowait([[b"queued1."], [b"queued2."]])
+        asyncio.get_running_loop().call_later(0.2, release.set)
+        async with asyncio.timeout(30):
+            # Not wait_for(), which would start the send from a new task.
+            await conn.send([b"last...."])
+        pending = [f for f in (big, queued) if f is not None]
+        await asyncio.wait_for(asyncio.gather(*pending), 30)
+        await asyncio.wait_for(done.wait(), 30)
+        await conn.close()
+    assert received == [b"big.....", b"queued1.", b"queued2.", b"last...."]
+
+
 async def test_send_nowait_on_a_closed_connection_raises(listen_url: str) -> None:
     async with serving(listen_url) as listener:
         conn = await connect(listener.address)
