@@ -74,7 +74,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import (
@@ -165,6 +165,15 @@ def _retrieve(future: asyncio.Future[None]) -> None:
         future.exception()
 
 
+async def _await_posted(sending: asyncio.Future[None]) -> None:
+    """Wait for posted sends; a cancelled wait leaves them to complete."""
+    try:
+        await asyncio.shield(sending)
+    except asyncio.CancelledError:
+        sending.add_done_callback(_retrieve)
+        raise
+
+
 class _Outgoing:
     """One message prepared for sending: the header and the separate frames."""
 
@@ -216,7 +225,7 @@ class _Outgoing:
 class _Announced:
     """A received header: the frames to allocate and the inline bytes."""
 
-    __slots__ = ("infos", "inline")
+    __slots__ = ("infos", "inline", "nbytes")
 
     def __init__(self, header: memoryview, limits: Limits) -> None:
         if len(header) < _PRELUDE.size:
@@ -248,6 +257,7 @@ class _Announced:
             infos.append(FrameInfo(index, size, _DEVICE_NAMES[device]))
         self.infos = infos
         self.inline = inline
+        self.nbytes = sum(sizes)
 
 
 class UCXConnection(Connection):
@@ -290,7 +300,14 @@ class UCXConnection(Connection):
         runtime.kick()
         capacity = _PRELUDE.size + _table_size(config.limits.max_frames) + INLINE_BYTES
         self._header_buf = bytearray(capacity)
+        self._header_view = memoryview(self._header_buf)
+        # One wrapper for every header receive (UCX writes into the buffer).
+        self._header_array = runtime.Array(self._header_buf)
         self._queue = RecvQueue(self._loop)
+        # Set by deliver_to(): messages go there instead of to recv().
+        self._receiver: Callable[[list[Any]], None] | None = None
+        self._pumping = False
+        self._frames_bytes = 0
         self._announced: _Announced | None = None
         # Receiving: a header or a message's frames are in flight.
         self._busy = False
@@ -300,7 +317,6 @@ class UCXConnection(Connection):
         self._sent = 0
         # Messages the peer said it sent before its goodbye.
         self._peer_sent: int | None = None
-        self._send_lock = asyncio.Lock()
         self._error: TensorwireError | None = None
         self._closing = False
         self._last_activity: float | None = None
@@ -327,13 +343,29 @@ class UCXConnection(Connection):
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:
             raise self._closed_error()
-        message = _Outgoing(frames)
-        self.messages_sent += 1
-        self.bytes_sent += message.nbytes
-        async with self._send_lock:
-            if self.closed:
-                raise self._closed_error()
-            await self._send_message(message)
+        sending = self._post_messages([_Outgoing(frames)])
+        if sending is not None:
+            await _await_posted(sending)
+
+    async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
+        if self.closed:
+            raise self._closed_error()
+        sending = self._post_messages([_Outgoing(frames) for frames in messages])
+        if sending is not None:
+            await _await_posted(sending)
+
+    def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
+        if self.closed:
+            raise self._closed_error()
+        return self._post_messages([_Outgoing(frames) for frames in messages])
+
+    def deliver_to(self, receiver: Callable[[list[Any]], None]) -> bool:
+        self._receiver = receiver
+        ready = self._queue.ready
+        while ready and self._error is None:
+            self._hand_over(receiver, ready.popleft())
+        self._pump()
+        return True
 
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
         queue = self._queue
@@ -350,9 +382,9 @@ class UCXConnection(Connection):
         self._closing = True
         try:
             async with asyncio.timeout(self._config.close_timeout):
-                async with self._send_lock:
-                    if self._error is None:
-                        await self._control.send([BYE, _COUNT.pack(self._sent)])
+                # Every message sent so far is posted to UCX already.
+                if self._error is None:
+                    await self._control.send([BYE, _COUNT.pack(self._sent)])
                 # Keep our endpoint (and what UCX still has to deliver) until
                 # the peer has taken every message and hangs up.
                 await asyncio.shield(self._watcher)
@@ -366,12 +398,63 @@ class UCXConnection(Connection):
 
     # -- sending ---------------------------------------------------------------
 
-    async def _send_message(self, message: _Outgoing) -> None:
+    def _post_messages(self, messages: list[_Outgoing]) -> asyncio.Future[None] | None:
+        """Post every part of ``messages`` to UCX now, in order; None when UCX
+        took them all at once, else a future for the rest.
+
+        Posting is synchronous, so messages leave in the order of the calls
+        that posted them, and UCX matches one endpoint's messages with one
+        tag in the order posted: no lock is held while a send completes,
+        and many messages can be under way at once. A message is posted
+        whole or not at all (buffers are checked first), so a cancelled
+        wait never cuts one in half: UCX completes it on its own (the
+        runtime keeps its buffers referenced).
+
+        Raises:
+            ConnectionClosedError: the connection is closed, or UCX refused
+                a post (which ends the connection).
+            TransportError: a frame is not a usable buffer (nothing was sent).
+        """
         rt = self._rt
         if rt is None:
             raise self._closed_error()
+        Array = rt.Array
+        header_tag, frame_tag = self._tag_header_out, self._tag_frame_out
+        parts: list[tuple[Any, Any]] = []
+        try:
+            for message in messages:
+                parts.append((Array(message.header), header_tag))
+                for frame in message.frames:
+                    parts.append((Array(frame), frame_tag))
+        except Exception as exc:
+            raise translate(rt, exc, f"cannot send to {self._peer_address}") from exc
+        ep = self._ep
+        waiting: list[tuple[Any, Any]] = []
+        try:
+            for array, tag in parts:
+                request = ep.tag_send(array, tag)
+                if request.completed:
+                    request.check_error()
+                else:
+                    waiting.append((request, array))
+        except Exception as exc:
+            error = translate(rt, exc, f"send to {self._peer_address} failed")
+            self._fail(
+                error
+                if isinstance(error, ConnectionClosedError)
+                else ConnectionClosedError(f"send to {self._peer_address} failed: {error}")
+            )
+            raise self._closed_error() from exc
+        nbytes = 0
+        for message in messages:
+            nbytes += message.nbytes
+        self._sent += len(messages)
+        self.messages_sent += len(messages)
+        self.bytes_sent += nbytes
+        if not waiting:
+            return None
         done: asyncio.Future[None] = self._loop.create_future()
-        left = 1 + len(message.frames)
+        left = len(waiting)
 
         def completed(request: Any) -> None:
             nonlocal left
@@ -383,72 +466,76 @@ class UCXConnection(Connection):
             try:
                 request.check_error()
             except Exception as exc:
-                done.set_exception(translate(rt, exc, f"send to {self._peer_address} failed"))
+                error = translate(rt, exc, f"send to {self._peer_address} failed")
+                done.set_exception(error)
+                self._fail(
+                    error
+                    if isinstance(error, ConnectionClosedError)
+                    else ConnectionClosedError(f"send to {self._peer_address} failed: {error}")
+                )
                 return
             left -= 1
             if left == 0:
                 done.set_result(None)
 
-        try:
-            self._post_send(rt, message.header, self._tag_header_out, completed)
-            for frame in message.frames:
-                self._post_send(rt, frame, self._tag_frame_out, completed)
-            self._sent += 1
-            await done
-        except asyncio.CancelledError:
-            # Every part of the message is posted already and UCX completes
-            # it without us (the runtime keeps the buffers referenced), so
-            # the peer's framing holds and the connection lives on.
-            done.add_done_callback(_retrieve)
-            raise
-        except TransportError as exc:
-            self._fail(
-                exc
-                if isinstance(exc, ConnectionClosedError)
-                else ConnectionClosedError(f"send to {self._peer_address} failed: {exc}")
-            )
-            raise self._closed_error() from exc
-
-    def _post_send(self, rt: Runtime, buffer: Any, tag: Any, callback: Any) -> None:
-        try:
-            array = rt.Array(buffer)
-            request = self._ep.tag_send(array, tag)
-        except Exception as exc:
-            raise translate(rt, exc, f"send to {self._peer_address} failed") from exc
-        rt.watch(request, array, callback)
+        for request, array in waiting:
+            rt.watch(request, array, completed)
+        return done
 
     # -- receiving -------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Post the next UCX receive when a recv() is waiting for it."""
-        rt = self._rt
-        while rt is not None and self._error is None and not self._busy:
-            if self._announced is not None:
-                if not self._queue.waiters:
-                    return
-                self._allocate(rt, self._announced)
-                continue
-            if not self._queue.waiters:
-                return
-            if self._peer_sent is not None and self._received >= self._peer_sent:
-                self._peer_done()
-                return
-            self._busy = True
-            self._post_recv(rt, self._header_buf, self._tag_header_in, self._on_header)
+        """Post the next UCX receives while someone takes messages.
 
-    def _post_recv(self, rt: Runtime, buffer: Any, tag: Any, callback: Any) -> None:
+        A receive that UCX completes at once (the message was already
+        there, the common case under load) is handled here in the loop,
+        without a round through the runtime's progress.
+        """
+        if self._pumping:
+            return  # re-entered from a delivery: the loop below goes on
+        self._pumping = True
         try:
-            array = rt.Array(buffer)
-            request = self._ep.tag_recv(array, tag, rt.TagMaskFull)
+            while self._error is None and not self._busy:
+                rt = self._rt
+                if rt is None:
+                    return
+                wanted = self._receiver is not None or self._queue.waiters
+                if self._announced is not None:
+                    if not wanted:
+                        return
+                    self._allocate(rt, self._announced)
+                    continue
+                if not wanted:
+                    return
+                if self._peer_sent is not None and self._received >= self._peer_sent:
+                    self._peer_done()
+                    return
+                request = self._post_recv(rt, self._header_array, self._tag_header_in)
+                if request is None:
+                    return
+                if request.completed:
+                    self._header_arrived(request)
+                else:
+                    self._busy = True
+                    rt.watch(request, self._header_array, self._on_header)
+        finally:
+            self._pumping = False
+
+    def _post_recv(self, rt: Runtime, array: Any, tag: Any) -> Any:
+        try:
+            return self._ep.tag_recv(array, tag, rt.TagMaskFull)
         except Exception as exc:
             self._fail(translate(rt, exc, f"receive from {self._peer_address} failed"))
-            return
-        rt.watch(request, array, callback)
+            return None
 
     def _on_header(self, request: Any) -> None:
         self._busy = False
         if self._error is not None or request is None:
             return
+        self._header_arrived(request)
+        self._pump()
+
+    def _header_arrived(self, request: Any) -> None:
         self._last_activity = self._loop.time()
         try:
             request.check_error()
@@ -465,19 +552,21 @@ class UCXConnection(Connection):
                 self._fail(translate(self._rt, exc, f"receive from {self._peer_address} failed"))
             return
         try:
-            self._announced = _Announced(memoryview(self._header_buf), self._config.limits)
+            self._announced = _Announced(self._header_view, self._config.limits)
         except TensorwireError as exc:
             self._refuse(exc)
-            return
-        self._pump()
 
     def _refuse(self, exc: TensorwireError) -> None:
         logger.warning("dropping connection from %s: %s", self._peer_address, exc)
         self._fail(exc)
 
     def _allocate(self, rt: Runtime, announced: _Announced) -> None:
-        waiter, allocator = self._queue.waiters[0]
-        alloc = allocator or self._allocator
+        if self._receiver is not None:
+            waiter: asyncio.Future[list[Any]] | None = None
+            alloc = self._allocator
+        else:
+            waiter, allocator = self._queue.waiters[0]
+            alloc = allocator or self._allocator
         frames: list[Any] = []
         targets: list[Any] = []
         try:
@@ -486,8 +575,9 @@ class UCXConnection(Connection):
                 frames.append(buffer)
                 if info.device == "cpu":
                     view = writable_view(buffer, info)
-                    if info.index in announced.inline:
-                        view[:] = announced.inline[info.index]
+                    inline = announced.inline.get(info.index)
+                    if inline is not None:
+                        view[:] = inline
                     elif info.nbytes:
                         targets.append(view)
                 else:
@@ -504,16 +594,34 @@ class UCXConnection(Connection):
             return
         self._announced = None
         self._frames = frames
-        self._queue.bind(waiter)
-        if not targets:
-            self._finish_message()
-            return
-        self._busy = True
-        self._frames_left = len(targets)
+        self._frames_bytes = announced.nbytes
+        if waiter is not None:
+            self._queue.bind(waiter)
+        left = 0
+        Array = rt.Array
         for target in targets:
-            self._post_recv(rt, target, self._tag_frame_in, self._on_frame)
-            if self._error is not None:
+            array = Array(target)
+            request = self._post_recv(rt, array, self._tag_frame_in)
+            if request is None:
                 return
+            if request.completed:
+                try:
+                    request.check_error()
+                except Exception as exc:
+                    self._fail(
+                        translate(rt, exc, f"receive from {self._peer_address} failed")
+                    )
+                    return
+            else:
+                left += 1
+                rt.watch(request, array, self._on_frame)
+        if left:
+            self._busy = True
+            self._frames_left = left
+        else:
+            if targets:
+                self._last_activity = self._loop.time()
+            self._finish_message()
 
     def _check_device_buffer(self, rt: Runtime, buffer: Any, info: FrameInfo) -> None:
         if not hasattr(buffer, "__cuda_array_interface__"):
@@ -545,11 +653,23 @@ class UCXConnection(Connection):
         message, self._frames = self._frames, []
         self._received += 1
         self.messages_received += 1
-        self.bytes_received += sum(
-            device_nbytes(f) if is_device_frame(f) else memoryview(f).nbytes for f in message)
-        self._queue.deliver(message)
+        self.bytes_received += self._frames_bytes
+        receiver = self._receiver
+        if receiver is None:
+            self._queue.deliver(message)
+        else:
+            self._hand_over(receiver, message)
         if self._peer_sent is not None and self._received >= self._peer_sent:
             self._peer_done()
+
+    def _hand_over(self, receiver: Callable[[list[Any]], None], message: list[Any]) -> None:
+        try:
+            receiver(message)
+        except Exception as exc:
+            logger.exception("receiver of %s failed", self._peer_address)
+            error = TransportError(f"message receiver failed: {exc!r}")
+            error.__cause__ = exc
+            self._fail(error)
 
     # -- control channel and ending -------------------------------------------
 

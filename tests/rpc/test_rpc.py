@@ -540,10 +540,14 @@ async def test_a_deadline_mid_send_does_not_break_other_calls(url: str) -> None:
     # must not take the connection (and the calls sharing it) down with it.
     if url.startswith("inproc"):
         pytest.skip("an inproc:// send never waits")
+    # The handler sleeps past the deadline too: a transport fast enough to
+    # deliver 256 MiB before the client's deadline timer fires (UCX over
+    # shared memory) still ends the call with DeadlineExceeded, then from
+    # the server.
     async with serving(url) as server, tw.connect(server.addresses[0]) as client:
         bystander = asyncio.create_task(client.call("Store.slow", 0.5))
         with pytest.raises(DeadlineExceeded):
-            await client.call("Store.put", "big", np.ones(256 << 20, np.uint8), timeout=0.02)
+            await client.call("Store.sleep", 10.0, np.ones(256 << 20, np.uint8), timeout=0.02)
         assert await bystander == "done"
         assert await client.call("Store.echo", "still connected") == "still connected"
 
