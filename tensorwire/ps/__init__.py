@@ -26,8 +26,18 @@ from ._compress import (
     register_compressor,
 )
 from ._optim import SGD, Adagrad, Adam, Aggregate, Optimizer
-from ._placement import Chunk, Placement, TensorSpec, chunk_tensors, place, resize
-from .client import PSClient, connect
+from ._placement import (
+    Chunk,
+    Placement,
+    TensorSpec,
+    balance,
+    chunk_tensors,
+    place,
+    predicted_times,
+    relocate,
+    resize,
+)
+from .client import Arrivals, PSClient, connect
 from .config import Job, PSConfig, ShardConfig
 from .server import Shard, ShardServer, serve
 from .sync import SyncClient
@@ -39,6 +49,7 @@ __all__ = (
     "Adagrad",
     "Adam",
     "Aggregate",
+    "Arrivals",
     "Chunk",
     "Compressor",
     "ErrorFeedback",
@@ -55,10 +66,13 @@ __all__ = (
     "SyncClient",
     "TensorSpec",
     "TopK",
+    "balance",
     "chunk_tensors",
     "connect",
     "place",
+    "predicted_times",
     "register_compressor",
+    "relocate",
     "resize",
     "serve",
 )

@@ -104,15 +104,13 @@ class Clocks:
 
     # -- pushes -----------------------------------------------------------------
 
-    def admit(self, worker: int, clock: int, keys: Iterable[str],
-              seen: int = 0) -> tuple[Decision, list[str]]:
-        """May ``worker``'s push for step ``clock`` to ``keys`` be applied now?
+    def decide(self, worker: int, clock: int, keys: Iterable[str],
+               seen: int = 0) -> Decision:
+        """What :meth:`admit` would decide, without changing anything: the
+        predicate a waiting push re-evaluates.
 
-        ``seen`` is the clock of the worker's latest read of these chunks.
-        Returns the decision and, in sync mode, the chunks whose partly
-        collected step was dropped: a chunk behind ``seen`` lost steps (the
-        shard restarted from an older checkpoint) and jumps ahead. A push
-        ahead of a chunk's step otherwise waits for that step to complete.
+        ``seen`` is the clock of the worker's latest read of these chunks; a
+        sync chunk behind it is judged as if it had already skipped ahead.
 
         Raises:
             InvalidArgument: unknown worker or chunk, or a negative clock.
@@ -120,29 +118,47 @@ class Clocks:
         self.check_worker(worker)
         if clock < 0:
             raise InvalidArgument(f"clock must be at least 0, got {clock}")
-        chunks = self._get(keys)
-        dropped: list[str] = []
-        fresh = wait = False
-        for key, chunk in chunks:
+        fresh = False
+        for _, chunk in self._get(keys):
             if self.mode == "sync":
+                # A chunk behind ``seen`` jumps to it and forgets who pushed.
+                step = max(chunk.step, seen)
+                done = chunk.done if step == chunk.step else ()
+                if clock > step:
+                    # Ahead of the chunk: the rest of the current step is on
+                    # its way (pushes may arrive out of order after a retry).
+                    # Only a worker that has read a later step (``seen``)
+                    # proves the shard restarted from an older one.
+                    return Decision.WAIT
+                if clock == step and worker not in done:
+                    fresh = True
+            elif clock >= chunk.taken[worker]:
+                fresh = True
+        return Decision.APPLY if fresh else Decision.DUPLICATE
+
+    def admit(self, worker: int, clock: int, keys: Iterable[str],
+              seen: int = 0) -> tuple[Decision, list[str]]:
+        """May ``worker``'s push for step ``clock`` to ``keys`` be applied now?
+
+        ``seen`` is the clock of the worker's latest read of these chunks.
+        Returns the decision (:meth:`decide`'s) and, in sync mode, the chunks
+        whose partly collected step was dropped: a chunk behind ``seen`` lost
+        steps (the shard restarted from an older checkpoint) and jumps ahead,
+        which this call does. A push ahead of a chunk's step otherwise waits
+        for that step to complete.
+
+        Raises:
+            InvalidArgument: unknown worker or chunk, or a negative clock.
+        """
+        decision = self.decide(worker, clock, keys, seen)
+        dropped: list[str] = []
+        if self.mode == "sync":
+            for key, chunk in self._get(keys):
                 if seen > chunk.step:
                     if chunk.done:
                         dropped.append(key)
                     self._skip(chunk, seen)
-                if clock > chunk.step:
-                    # Ahead of the chunk: the rest of the current step is on
-                    # its way (pushes may arrive out of order after a retry).
-                    # Only a worker that has read a later step (``seen``,
-                    # above) proves the shard restarted from an older one.
-                    wait = True
-                    continue
-                if clock == chunk.step and worker not in chunk.done:
-                    fresh = True
-            elif clock >= chunk.taken[worker]:
-                fresh = True
-        if wait:
-            return Decision.WAIT, dropped
-        return (Decision.APPLY if fresh else Decision.DUPLICATE), dropped
+        return decision, dropped
 
     def _skip(self, chunk: _Chunk, step: int) -> None:
         chunk.lost += step - chunk.step
@@ -211,6 +227,37 @@ class Clocks:
             if chunk.done:
                 late.update(w for w in range(self.num_workers) if w not in chunk.done)
         return sorted(late)
+
+    # -- moving chunks between shards -----------------------------------------------
+
+    def export(self, key: str) -> dict[str, Any]:
+        """Everything chunk ``key``'s clocks know, for another shard's :meth:`adopt`:
+        the idempotence keys (per-worker pushes taken, the sync step and who
+        pushed for it) travel with the chunk.
+
+        Raises:
+            InvalidArgument: unknown chunk.
+        """
+        ((_, chunk),) = self._get([key])
+        return {"taken": list(chunk.taken), "step": chunk.step, "done": sorted(chunk.done),
+                "lost": chunk.lost}
+
+    def adopt(self, key: str, state: Mapping[str, Any]) -> None:
+        """Track chunk ``key`` with the clocks :meth:`export` gave.
+
+        Raises:
+            InvalidArgument: the state is for another number of workers.
+        """
+        taken = [int(t) for t in state["taken"]]
+        if len(taken) != self.num_workers:
+            raise InvalidArgument(
+                f"chunk {key!r} comes with {len(taken)} workers, the job has {self.num_workers}")
+        self.chunks[key] = _Chunk(taken, int(state["step"]), {int(w) for w in state["done"]},
+                                  int(state["lost"]))
+
+    def remove(self, key: str) -> None:
+        """Forget chunk ``key`` (it moved to another shard)."""
+        self.chunks.pop(key, None)
 
     # -- checkpoints ------------------------------------------------------------
 

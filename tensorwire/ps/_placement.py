@@ -22,7 +22,17 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ("Chunk", "Placement", "TensorSpec", "chunk_tensors", "place", "resize")
+__all__ = (
+    "Chunk",
+    "Placement",
+    "TensorSpec",
+    "balance",
+    "chunk_tensors",
+    "place",
+    "predicted_times",
+    "relocate",
+    "resize",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -233,3 +243,84 @@ def _sticky(old: Placement, num_shards: int, slack: float) -> Placement:
         loads[shard] += chunk.nbytes
         heapq.heappush(heap, (loads[shard], shard))
     return Placement(num_shards, old.chunks, shard_of)
+
+
+def relocate(old: Placement, old_shards: Sequence[str], new_shards: Sequence[str], *,
+             max_imbalance: float = 1.05) -> Placement:
+    """:func:`resize` for shards named by address: a placement on
+    ``new_shards`` (in that order) from one on ``old_shards``, moving as
+    few bytes as it can. Shards in both lists keep what they can; shards
+    only in ``old_shards`` give everything away; shards only in
+    ``new_shards`` start empty.
+
+    Raises:
+        ConfigError: no new shards, repeated addresses, or lengths that do
+            not match the placement.
+    """
+    if len(old_shards) != old.num_shards:
+        raise ConfigError(f"{len(old_shards)} addresses for {old.num_shards} shards")
+    if len(set(old_shards)) != len(old_shards) or len(set(new_shards)) != len(new_shards):
+        raise ConfigError("a shard address is listed twice")
+    _check_shards(len(new_shards))
+    # Renumber: surviving shards get their new index, leaving ones an index
+    # past the new count, which resize() treats as gone.
+    index = {address: i for i, address in enumerate(new_shards)}
+    gone = [a for a in old_shards if a not in index]
+    for i, address in enumerate(gone):
+        index[address] = len(new_shards) + i
+    renamed = Placement(len(new_shards) + len(gone), old.chunks,
+                        {key: index[old_shards[s]] for key, s in old.shard_of.items()})
+    return resize(renamed, len(new_shards), max_imbalance=max_imbalance)
+
+
+def predicted_times(placement: Placement, bandwidth: Sequence[float]) -> list[float]:
+    """Seconds per shard to move its bytes at its ``bandwidth`` (bytes/s)."""
+    if len(bandwidth) != placement.num_shards:
+        raise ConfigError(f"{len(bandwidth)} bandwidths for {placement.num_shards} shards")
+    if not all(b > 0 for b in bandwidth):
+        raise ConfigError(f"bandwidths must be positive, got {list(bandwidth)}")
+    return [load / bw for load, bw in zip(placement.loads(), bandwidth, strict=True)]
+
+
+def balance(old: Placement, bandwidth: Sequence[float], *,
+            tolerance: float = 1.02) -> Placement:
+    """Move chunks from slow shards to fast ones: a placement whose largest
+    predicted time (bytes on a shard over its ``bandwidth``) is as small as
+    it can make it, moving few bytes.
+
+    Each shard's fair share of the bytes is proportional to its bandwidth.
+    Chunks go largest first; one stays on its shard while that shard holds
+    at most ``(1 + slack)`` times its share, otherwise it goes where it would
+    finish first. Slacks from 0 upwards are tried, and among the placements
+    whose largest predicted time is within ``tolerance`` of the best one
+    found, the one moving the fewest bytes wins. (The plain LPT rule with
+    finish times as the load, Graham 1969, on uniform machines.)
+
+    Raises:
+        ConfigError: a bandwidth per shard is missing or not positive.
+    """
+    predicted_times(old, bandwidth)  # validates
+    tries = [old, *(_sticky_weighted(old, bandwidth, slack)
+                    for slack in (0.0, 0.01, 0.02, 0.05, 0.1, 0.2))]
+    spans = [max(predicted_times(p, bandwidth)) for p in tries]
+    best = min(spans)
+    fitting = [p for p, span in zip(tries, spans, strict=True) if span <= best * tolerance]
+    return min(fitting, key=lambda p: (old.moved_bytes(p), max(predicted_times(p, bandwidth))))
+
+
+def _sticky_weighted(old: Placement, bandwidth: Sequence[float], slack: float) -> Placement:
+    total = sum(c.nbytes for c in old.chunks)
+    speed = sum(bandwidth)
+    caps = [total * bw / speed * (1 + slack) for bw in bandwidth]
+    loads = [0] * old.num_shards
+    shard_of: dict[str, int] = {}
+    for chunk in sorted(old.chunks, key=lambda c: (-c.nbytes, c.name, c.index)):
+        home = old.shard_of[chunk.key]
+        if loads[home] + chunk.nbytes <= caps[home]:
+            shard = home
+        else:
+            shard = min(range(old.num_shards),
+                        key=lambda s: ((loads[s] + chunk.nbytes) / bandwidth[s], s))
+        shard_of[chunk.key] = shard
+        loads[shard] += chunk.nbytes
+    return Placement(old.num_shards, old.chunks, shard_of)

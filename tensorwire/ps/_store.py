@@ -46,6 +46,16 @@ class ShardStore:
         self.entries: dict[str, _Entry] = {}
         #: Pushes applied (chunk updates counted once per push message).
         self.updates = 0
+        #: The placement version this shard serves (0: the computed placement
+        #: of ``init``); workers that call with another get redirected.
+        self.version = 0
+        #: The placement of ``version`` once it was changed: ``{"version",
+        #: "addresses", "shard_of", "step"}`` (None for version 0).
+        self.layout: dict[str, Any] | None = None
+        #: This shard's index in ``layout`` (-1: not part of it).
+        self.index = -1
+        #: Chunks this shard owns in ``version`` but has not received yet.
+        self.incoming: set[str] = set()
 
     # -- parameters ------------------------------------------------------------
 
@@ -91,6 +101,14 @@ class ShardStore:
         return entry
 
     # -- pushes ----------------------------------------------------------------
+
+    def decide(self, worker: int, clock: int, keys: Sequence[str], seen: int = 0) -> Decision:
+        """See :meth:`Clocks.decide`: pure, changes nothing.
+
+        Raises:
+            InvalidArgument: unknown worker or chunk, negative clock.
+        """
+        return self.clocks.decide(worker, clock, keys, seen)
 
     def admit(self, worker: int, clock: int, keys: Sequence[str], seen: int = 0) -> Decision:
         """See :meth:`Clocks.admit`.
@@ -163,6 +181,85 @@ class ShardStore:
             entry.value, grad, entry.state, entry.updates, scale=scale
         )
 
+    # -- placement changes ------------------------------------------------------
+
+    def begin(self, layout: Mapping[str, Any], index: int) -> None:
+        """Serve placement ``layout`` (a later version) as its shard ``index``
+        (-1: a shard the placement no longer uses).
+
+        Chunks it owns there but lacks become ``incoming``; chunks it holds
+        but no longer owns stay until :meth:`release`, unchanged, because
+        every call of the old version is redirected from now on.
+
+        Raises:
+            InvalidArgument: an older version than the one served.
+        """
+        version = int(layout["version"])
+        if version < self.version:
+            raise InvalidArgument(f"placement version {version} is older than this "
+                                  f"shard's {self.version}")
+        if version == self.version:
+            return  # a retried begin
+        self.version, self.index = version, index
+        self.layout = {"version": version, "addresses": list(layout["addresses"]),
+                       "shard_of": dict(layout["shard_of"]), "step": int(layout["step"])}
+        self._expect()
+
+    def _expect(self) -> None:
+        assert self.layout is not None
+        owned = {key for key, shard in self.layout["shard_of"].items() if shard == self.index}
+        self.incoming = owned - set(self.entries)
+
+    def export(self, keys: Sequence[str]) -> list[dict[str, Any]]:
+        """Each chunk's whole state, for another shard's :meth:`adopt`: value,
+        optimizer state and update count, clocks (the idempotence keys), and
+        the partly collected sum of a sync step. Changes nothing.
+
+        Raises:
+            InvalidArgument: a chunk this shard does not hold.
+        """
+        out = []
+        for key in keys:
+            entry = self._entry(key)
+            out.append({"key": key, "value": entry.value, "state": dict(entry.state),
+                        "updates": entry.updates, "clock": self.clocks.export(key),
+                        "acc": entry.acc})
+        return out
+
+    def adopt(self, records: Sequence[Mapping[str, Any]]) -> int:
+        """Take chunks :meth:`export` gave; a chunk held already is kept (a
+        retried transfer must not undo pushes since). Returns how many were new.
+
+        Raises:
+            InvalidArgument: a malformed record.
+        """
+        taken = 0
+        for record in records:
+            try:
+                key = str(record["key"])
+                if key in self.entries:
+                    continue
+                value = np.array(record["value"]).reshape(-1)  # a copy: ours to keep
+                acc = record["acc"]
+                self.clocks.adopt(key, record["clock"])
+                self.entries[key] = _Entry(
+                    value=value,
+                    state={str(k): np.array(v) for k, v in dict(record["state"]).items()},
+                    updates=int(record["updates"]),
+                    acc=None if acc is None else np.array(acc).reshape(-1),
+                    acc_owned=acc is not None)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise InvalidArgument(f"bad chunk record: {exc!r}") from None
+            self.incoming.discard(key)
+            taken += 1
+        return taken
+
+    def release(self, keys: Sequence[str]) -> None:
+        """Drop chunks that now live on another shard."""
+        for key in keys:
+            self.entries.pop(key, None)
+            self.clocks.remove(key)
+
     # -- checkpoints -------------------------------------------------------------
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Array]]:
@@ -173,6 +270,8 @@ class ShardStore:
         """
         meta: dict[str, Any] = {"job": self.job.to_wire(), "clocks": self.clocks.snapshot(),
                                 "step": self.clocks.step, "updates": self.updates,
+                                "version": self.version, "layout": self.layout,
+                                "index": self.index,
                                 "chunks": {}}
         arrays: dict[str, Array] = {}
         for index, (key, entry) in enumerate(self.entries.items()):
@@ -193,6 +292,10 @@ class ShardStore:
         store = cls(Job.from_wire(dict(meta["job"])))
         store.clocks.restore(dict(meta["clocks"]))
         store.updates = int(meta["updates"])
+        store.version = int(meta.get("version", 0))
+        layout = meta.get("layout")
+        store.layout = None if layout is None else dict(layout)
+        store.index = int(meta.get("index", -1))
         try:
             for key, info in dict(meta["chunks"]).items():
                 index = int(info["id"])
@@ -203,4 +306,6 @@ class ShardStore:
                 )
         except KeyError as exc:
             raise InvalidArgument(f"checkpoint lacks {exc}") from None
+        if store.layout is not None:
+            store._expect()
         return store

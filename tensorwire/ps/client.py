@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
+import itertools
 import logging
+import socket
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,11 +36,20 @@ from ..errors import (
 from ._compress import Compressor, ErrorFeedback, Payload, compressor_for
 from ._consistency import Mode
 from ._optim import Optimizer
-from ._placement import Chunk, Placement, TensorSpec, chunk_tensors, place
+from ._placement import (
+    Chunk,
+    Placement,
+    TensorSpec,
+    balance,
+    chunk_tensors,
+    place,
+    predicted_times,
+    relocate,
+)
 from .config import Job, PSConfig
-from .server import LATE
+from .server import LATE, MOVED, nbytes
 
-__all__ = ("PSClient", "connect")
+__all__ = ("Arrivals", "PSClient", "connect")
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +106,14 @@ async def connect(
     return client
 
 
+class _Moved(Exception):
+    """A shard serves a later placement version than the call used."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(version)
+        self.version = version
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Batch:
     """Chunks of one shard that travel in one message."""
@@ -101,26 +121,150 @@ class _Batch:
     shard: int
     chunks: tuple[Chunk, ...]
     keys: list[str]
+    #: Its place in the send order: the smallest rank of its tensors.
+    rank: int
 
 
-def _batches(placement: Placement, message_bytes: int) -> list[_Batch]:
-    """Each shard's chunks, in tensor order, cut into messages of at most
-    ``message_bytes`` (at least one chunk each): small tensors share a
-    message, and a shard updates the first message's chunks while the next
-    arrive."""
+def _batches(placement: Placement, message_bytes: int, rank: Mapping[str, int],
+             keys: set[str] | None = None) -> list[_Batch]:
+    """Each shard's chunks (those in ``keys``, or all), in ``rank`` order, cut
+    into messages of at most ``message_bytes`` (at least one chunk each):
+    small tensors share a message, and a shard updates the first message's
+    chunks while the next arrive."""
     out: list[_Batch] = []
     for shard in range(placement.num_shards):
         group: list[Chunk] = []
         size = 0
-        for chunk in placement.on_shard(shard):
+        chunks = [c for c in placement.on_shard(shard) if keys is None or c.key in keys]
+        chunks.sort(key=lambda c: (rank[c.name], c.index))
+        for chunk in chunks:
             if group and size + chunk.nbytes > message_bytes:
-                out.append(_Batch(shard, tuple(group), [c.key for c in group]))
+                out.append(_batch(shard, group, rank))
                 group, size = [], 0
             group.append(chunk)
             size += chunk.nbytes
         if group:
-            out.append(_Batch(shard, tuple(group), [c.key for c in group]))
+            out.append(_batch(shard, group, rank))
     return out
+
+
+def _batch(shard: int, group: list[Chunk], rank: Mapping[str, int]) -> _Batch:
+    return _Batch(shard, tuple(group), [c.key for c in group], min(rank[c.name] for c in group))
+
+
+class _Window:
+    """At most ``limit`` messages in flight to one shard (None: no limit);
+    the others wait in a priority queue, lowest key first (ByteScheduler,
+    Peng et al. 2019: a bounded window so an urgent message need not queue
+    behind everything already sent)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.active = 0
+        self._queue: list[tuple[tuple[int, ...], int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, key: tuple[int, ...]) -> AsyncIterator[None]:
+        if self.limit is not None and (self.active >= self.limit or self._queue):
+            waiter = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._queue, (key, next(self._order), waiter))
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._release()  # granted just as we were cancelled
+                raise
+        else:
+            self.active += 1
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._queue:
+            _, _, waiter = heapq.heappop(self._queue)
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes on
+                return
+        self.active -= 1
+
+
+class _Link:
+    """One shard connection, its send window, and the wall time during
+    which at least one call to it was in flight."""
+
+    def __init__(self, client: rpc.Client, window: int | None) -> None:
+        self.client = client
+        self.window = _Window(window)
+        self.host: str | None = None
+        self.busy = 0.0
+        self.active = 0
+        self._since = 0.0
+        #: At the last bandwidth measurement: (busy seconds, bytes, waited seconds).
+        self.mark = (0.0, 0.0, 0.0)
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        if self.active == 0:
+            self._since = time.monotonic()
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self.busy += time.monotonic() - self._since
+
+    def busy_now(self) -> float:
+        return self.busy + (time.monotonic() - self._since if self.active else 0.0)
+
+
+class Arrivals:
+    """The tensors of one pull or push_pull, each as soon as all its chunks
+    are back: ``await arrivals[name]`` for one, ``async for name, value in
+    arrivals`` in arrival order, ``await arrivals`` for the whole dict. The
+    next forward pass can start on the first layers while the rest arrive.
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        loop = asyncio.get_running_loop()
+        self._futures: dict[str, asyncio.Future[Array]] = {
+            name: loop.create_future() for name in names}
+        for future in self._futures.values():
+            # An error reaches every tensor; no "never retrieved" noise.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._arrived: asyncio.Queue[str] = asyncio.Queue()
+        self.task: asyncio.Task[dict[str, Array]] | None = None
+
+    def _deliver(self, name: str, value: Array) -> None:
+        self._futures[name].set_result(value)
+        self._arrived.put_nowait(name)
+
+    def _fail(self, error: BaseException) -> None:
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self._arrived.put_nowait("")
+
+    def __getitem__(self, name: str) -> asyncio.Future[Array]:
+        return self._futures[name]
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, Array]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[tuple[str, Array]]:
+        for _ in range(len(self._futures)):
+            name = await self._arrived.get()
+            if not name:
+                assert self.task is not None
+                await self.task  # raises the error
+            yield name, self._futures[name].result()
+
+    def __await__(self) -> Generator[Any, None, dict[str, Array]]:
+        assert self.task is not None
+        return self.task.__await__()
 
 
 class PSClient:
@@ -137,46 +281,80 @@ class PSClient:
                  config: PSConfig) -> None:
         if not addresses:
             raise ConfigError("need at least one shard address")
+        if len(set(addresses)) != len(addresses):
+            raise ConfigError("a shard address is listed twice")
         if not 0 <= worker < job.num_workers:
             raise ConfigError(f"worker must be in 0..{job.num_workers - 1}, got {worker}")
+        #: The shards of the current placement, in its order.
         self.addresses = list(addresses)
         self.worker = worker
         self.job = job
         self.config = config
-        self.compressor = compressor_for(config.compression)
-        self._feedback = ErrorFeedback(self.compressor)
-        self._clients = [rpc.Client(address, config=config.rpc) for address in addresses]
+        #: The compressor for shards on other hosts.
+        self.compressor = compressor_for(config.compression, link="remote")
+        # One error feedback per link class, so each chunk's residual stays
+        # with the compressor of the shard it lives on.
+        self._feedback: dict[str, ErrorFeedback] = {}
+        #: Residuals of chunks that moved to a shard whose compressor keeps
+        #: none: added to the chunk's next gradient once.
+        self._carry: dict[str, Array] = {}
+        self._host = socket.gethostname()
+        self._links: dict[str, _Link] = {}
+        for address in self.addresses:
+            self._link(address)
         self._specs: dict[str, TensorSpec] = {}
+        self._rank: dict[str, int] = {}
+        self._chunks: tuple[Chunk, ...] = ()
         self._placement: Placement | None = None
         self._batches: list[_Batch] = []
+        #: The placement version every call carries (0: computed by init).
+        self.version = 0
+        self._refreshing = asyncio.Lock()
         #: Steps this worker has pushed (the clock of its next push).
         self.clock = 0
-        #: Per batch: the arguments of the latest push, resent after a reconnect.
-        self._last_push: dict[int, tuple[Any, ...]] = {}
-        #: Per batch: the clock of this worker's latest read of its chunks.
-        self._seen: list[int] = []
+        #: Per chunk: the clock and payload of the latest push, resent after
+        #: a shard reconnects.
+        self._pushed: dict[str, tuple[int, Payload]] = {}
+        #: Per chunk: the clock of this worker's latest read of it.
+        self._seen: dict[str, int] = {}
+        self._running = 0  # operations in flight
         self._closed = False
         # Set by close(): wakes calls waiting out a reconnection backoff.
         self._closing = asyncio.Event()
         self._metrics = Metrics()
 
+    def _link(self, address: str) -> _Link:
+        link = self._links.get(address)
+        if link is None:
+            window = self.config.window if self.config.priority else None
+            link = self._links[address] = _Link(
+                rpc.Client(address, config=self.config.rpc), window)
+        return link
+
     # -- lifetime -------------------------------------------------------------------
 
     async def connect(self) -> PSClient:
-        """Connect to every shard.
+        """Connect to every shard and learn its host.
 
         Raises:
             Unavailable: a shard cannot be reached.
         """
-        await asyncio.gather(*(client.connect() for client in self._clients))
+        await asyncio.gather(*(self._hello(a) for a in self.addresses))
         return self
+
+    async def _hello(self, address: str) -> None:
+        link = self._link(address)
+        if link.host is None:
+            await link.client.connect()
+            info = await self._call(address, "hello")
+            link.host = str(info["host"])
 
     async def close(self) -> None:
         """Close the shard connections (the shards keep their state); calls in
         flight fail with ``Unavailable``."""
         self._closed = True
         self._closing.set()
-        await asyncio.gather(*(client.close() for client in self._clients),
+        await asyncio.gather(*(link.client.close() for link in self._links.values()),
                              return_exceptions=True)
 
     async def __aenter__(self) -> PSClient:
@@ -189,7 +367,8 @@ class PSClient:
 
     @property
     def placement(self) -> Placement:
-        """Where each chunk lives (after :meth:`init`).
+        """Where each chunk lives (after :meth:`init`): shard ``i`` is
+        ``addresses[i]``.
 
         Raises:
             FailedPrecondition: before :meth:`init`.
@@ -203,17 +382,56 @@ class PSClient:
         """Largest shard's bytes over the mean shard's (1.0 is perfect)."""
         return self.placement.imbalance
 
+    def link_class(self, shard: int) -> str:
+        """``"local"`` when shard ``shard`` runs on this worker's host, else
+        ``"remote"``: which of ``config.compression``'s compressors it gets."""
+        host = self._link(self.addresses[shard]).host
+        return "local" if host == self._host else "remote"
+
+    def _feedback_of(self, link: str) -> ErrorFeedback:
+        found = self._feedback.get(link)
+        if found is None:
+            found = self._feedback[link] = ErrorFeedback(
+                compressor_for(self.config.compression, link=link))
+        return found
+
+    def _use(self, addresses: list[str], placement: Placement, version: int) -> None:
+        """Switch to a placement: batches, and each moving chunk's residual."""
+        if self._placement is not None:
+            before = [self.link_class(s) for s in range(self._placement.num_shards)]
+            old = {k: before[s] for k, s in self._placement.shard_of.items()}
+        else:
+            old = {}
+        self.addresses, self._placement, self.version = addresses, placement, version
+        self._batches = _batches(placement, self.config.message_bytes, self._rank)
+        after = [self.link_class(s) for s in range(placement.num_shards)]
+        for key, shard in placement.shard_of.items():
+            was = old.get(key)
+            if was is None or was == after[shard] or was not in self._feedback:
+                continue
+            residual = self._feedback[was].residuals.pop(key, None)
+            if residual is None:
+                continue
+            target = self._feedback_of(after[shard])
+            if target.compressor.error_feedback:
+                target.residuals[key] = residual
+            else:
+                self._carry[key] = residual
+
     # -- operations -------------------------------------------------------------------
 
     async def init(self, params: Mapping[str, Array]) -> dict[str, Array]:
         """Place ``params`` and initialize the shards with worker 0's values.
 
-        Worker 0 sends its values to chunks that have none yet (a shard
-        restored from a checkpoint keeps its own); the other workers send
-        only the layout and wait, up to ``config.timeout``, for worker 0.
-        Returns the parameters the shards hold, so every worker starts from
-        the same ones. (Per-chunk "first arrival wins" would mix workers'
-        values when different workers reach different shards first.)
+        The order of ``params`` is the order the forward pass needs them
+        (first: most urgent); pass the same order on every worker. Worker 0
+        sends its values to chunks that have none yet (a shard restored from
+        a checkpoint keeps its own); the other workers send only the layout
+        and wait, up to ``config.timeout``, for worker 0. Returns the
+        parameters the shards hold, so every worker starts from the same
+        ones. (Per-chunk "first arrival wins" would mix workers' values when
+        different workers reach different shards first.) Shards that moved
+        to another placement (:meth:`reshard`) hand it over.
 
         Raises:
             InvalidArgument: a tensor that is not floating point, or shards
@@ -227,32 +445,27 @@ class PSClient:
                 raise InvalidArgument(f"{name!r}: parameters must be floating point, "
                                       f"got {array.dtype}")
         self._specs = {name: TensorSpec.of(name, array) for name, array in arrays.items()}
-        chunks = chunk_tensors(self._specs.values(), self.config.chunk_bytes)
-        self._placement = place(chunks, len(self._clients))
-        self._batches = _batches(self._placement, self.config.message_bytes)
-        self._seen = [0] * len(self._batches)
-        self._last_push.clear()
-        # Residuals of the compressor belong to the old layout.
-        self._feedback = ErrorFeedback(self.compressor)
+        self._rank = {name: i for i, name in enumerate(self._specs)}
+        self._chunks = tuple(chunk_tensors(self._specs.values(), self.config.chunk_bytes))
+        self._placement = None
+        self._use(self.addresses, place(self._chunks, len(self.addresses)), 0)
+        self._seen.clear()
+        self._pushed.clear()
+        self._carry.clear()
+        # Residuals of the compressors belong to the old layout.
+        self._feedback.clear()
         logger.info("placed %d tensors as %d chunks on %d shards, imbalance %.3f",
-                    len(arrays), len(chunks), len(self._clients), self._placement.imbalance)
+                    len(arrays), len(self._chunks), len(self.addresses), self.imbalance)
         flat = {name: array.reshape(-1) for name, array in arrays.items()}
-        job = self.job.to_wire()
-        leader = self.worker == 0
-        replies = await asyncio.gather(*(
-            self._call(b.shard, "init", job, self.worker, b.keys,
-                       [flat[c.name][c.start:c.stop] for c in b.chunks] if leader else [],
-                       [c.size for c in b.chunks], self.config.timeout)
-            for b in self._batches
-        ))
-        for batch, values in zip(self._batches, replies, strict=True):
-            for chunk, value in zip(batch.chunks, values, strict=True):
-                wanted = np.dtype(self._specs[chunk.name].dtype)
-                if np.asarray(value).dtype != wanted:
-                    raise InvalidArgument(
-                        f"{chunk.name!r}: the shards hold {np.asarray(value).dtype}, worker "
-                        f"{self.worker} has {wanted}: the workers disagree on the model")
-        return self._assemble(replies)
+        got = await self._run("init", 0, flat)
+        for chunk in self._chunks:
+            value = np.asarray(got[chunk.key])
+            wanted = np.dtype(self._specs[chunk.name].dtype)
+            if value.dtype != wanted:
+                raise InvalidArgument(
+                    f"{chunk.name!r}: the shards hold {value.dtype}, worker "
+                    f"{self.worker} has {wanted}: the workers disagree on the model")
+        return self._assemble(got)
 
     def push(self, grads: Mapping[str, Array]) -> asyncio.Task[None]:
         """Send this step's gradients; the task finishes when every shard took them.
@@ -265,8 +478,13 @@ class PSClient:
             InvalidArgument: unknown names or wrong shapes.
             DeadlineExceeded: (from the task) the wait outlasted ``config.timeout``.
         """
-        clock, payloads = self._prepare(grads)
-        return asyncio.get_running_loop().create_task(self._push(clock, payloads))
+        clock, payloads, order = self._prepare(grads)
+
+        async def push() -> None:
+            with self._operation("push", clock):
+                await self._run("push", clock, payloads, order=order)
+
+        return asyncio.get_running_loop().create_task(push())
 
     def pull(self) -> asyncio.Task[dict[str, Array]]:
         """The parameters once this worker may read them at its clock.
@@ -280,8 +498,7 @@ class PSClient:
             DeadlineExceeded: (from the task) the wait outlasted
                 ``config.timeout``; the message names the workers behind.
         """
-        self.placement  # noqa: B018 - raises before init()
-        return asyncio.get_running_loop().create_task(self._pull(self.clock))
+        return self._arrivals("pull", self.clock, {}, None).task  # type: ignore[return-value]
 
     def push_pull(self, grads: Mapping[str, Array]) -> asyncio.Task[dict[str, Array]]:
         """``push`` then ``pull`` in one round trip per shard message.
@@ -289,8 +506,57 @@ class PSClient:
         Raises:
             What :meth:`push` and :meth:`pull` raise.
         """
-        clock, payloads = self._prepare(grads)
-        return asyncio.get_running_loop().create_task(self._push_pull(clock, payloads))
+        return self.push_pull_each(grads).task  # type: ignore[return-value]
+
+    def pull_each(self) -> Arrivals:
+        """:meth:`pull`, handing back each tensor as soon as it arrived.
+
+        Raises:
+            FailedPrecondition: before :meth:`init`.
+        """
+        return self._arrivals("pull", self.clock, {}, None)
+
+    def push_pull_each(self, grads: Mapping[str, Array]) -> Arrivals:
+        """:meth:`push_pull`, handing back each tensor as soon as it arrived::
+
+            arrivals = client.push_pull_each(grads)
+            async for name, value in arrivals:   # forward order with priority
+                ...
+
+        Raises:
+            What :meth:`push` and :meth:`pull` raise.
+        """
+        clock, payloads, order = self._prepare(grads)
+        return self._arrivals("push_pull", clock, payloads, order)
+
+    def _arrivals(self, method: str, clock: int, payloads: Mapping[str, Any],
+                  order: Mapping[str, int] | None) -> Arrivals:
+        self.placement  # noqa: B018 - raises before init()
+        arrivals = Arrivals(list(self._specs))
+        left = {name: 0 for name in self._specs}
+        for chunk in self._chunks:
+            left[chunk.name] += 1
+        got: dict[str, Any] = {}
+
+        def arrived(keys: Sequence[str], values: Sequence[Any]) -> None:
+            for key, value in zip(keys, values, strict=True):
+                got[key] = value
+                name = key.rpartition("#")[0]
+                left[name] -= 1
+                if left[name] == 0:
+                    arrivals._deliver(name, self._tensor(name, got))
+
+        async def run() -> dict[str, Array]:
+            with self._operation(method, clock):
+                try:
+                    await self._run(method, clock, payloads, order=order, arrived=arrived)
+                except BaseException as exc:
+                    arrivals._fail(exc)
+                    raise
+            return {name: arrivals[name].result() for name in self._specs}
+
+        arrivals.task = asyncio.get_running_loop().create_task(run())
+        return arrivals
 
     async def checkpoint(self) -> list[str]:
         """Ask every shard to write a checkpoint now; returns their paths.
@@ -299,20 +565,225 @@ class PSClient:
             FailedPrecondition: a shard has no checkpoint directory or no job.
         """
         paths: list[str] = await asyncio.gather(
-            *(self._call(s, "checkpoint") for s in range(len(self._clients))))
+            *(self._call(a, "checkpoint") for a in self.addresses))
         return paths
 
     async def status(self) -> list[dict[str, Any]]:
-        """Each shard's clocks, chunk count, bytes and update count."""
+        """Each shard's clocks, chunk count, bytes, update count, placement
+        version and host."""
         result: list[dict[str, Any]] = await asyncio.gather(
-            *(self._call(s, "status") for s in range(len(self._clients))))
+            *(self._call(a, "status") for a in self.addresses))
         return result
+
+    # -- placement changes ------------------------------------------------------------
+
+    async def reshard(self, addresses: Sequence[str], *,
+                      placement: Placement | None = None) -> dict[str, Any]:
+        """Move the parameters to another set of shards while training runs.
+
+        One worker calls it, between two of its steps; the others learn the
+        new placement when a shard redirects their next call. ``addresses``
+        lists the shards of the new placement (new ones are started with
+        ``tensorwire ps serve`` and hold nothing yet; ones left out give their
+        chunks away and can then be stopped). Unless ``placement`` (over
+        ``addresses``) is given, chunks stay where they are as far as the
+        balance allows (:func:`relocate`): adding a shard to ``k`` moves about
+        ``1/(k+1)`` of the bytes.
+
+        Every shard switches to a new placement version; calls made with the
+        old one are redirected, so no push lands on a shard that gave its
+        chunk away. Each moving chunk travels through this worker with its
+        value, optimizer state, clocks and any partly collected sync step,
+        so no update is lost or applied twice. Returns ``{"version",
+        "bytes_moved"`` (all the state that travelled), ``"parameter_bytes_moved"``
+        (the moving chunks' own bytes), ``"chunks_moved", "seconds",
+        "imbalance"}``.
+
+        Raises:
+            FailedPrecondition: before :meth:`init`, or another worker
+                changed the placement at the same time.
+            InvalidArgument: ``placement`` does not fit ``addresses``.
+            Unavailable: a shard stayed unreachable (chunks already sent
+                are kept on both sides; call again to finish).
+        """
+        old = self.placement
+        new_addresses = list(addresses)
+        if placement is None:
+            placement = relocate(old, self.addresses, new_addresses)
+        if placement.num_shards != len(new_addresses) or {
+                c.key for c in placement.chunks} != set(old.shard_of):
+            raise InvalidArgument("the placement does not fit the addresses and tensors")
+        started = time.monotonic()
+        async with self._refreshing:
+            await asyncio.gather(*(self._hello(a) for a in new_addresses))
+            versions = await asyncio.gather(*(self._call(a, "hello") for a in self.addresses))
+            if max(int(v["version"]) for v in versions) != self.version:
+                raise FailedPrecondition("another worker changed the placement meanwhile; "
+                                         "this one has not seen it yet")
+            version = self.version + 1
+            layout = {"version": version, "addresses": new_addresses,
+                      "shard_of": dict(placement.shard_of), "step": self.clock}
+            involved = list(dict.fromkeys([*self.addresses, *new_addresses]))
+            job = self.job.to_wire()
+            # Every shard first: from here on, old-version calls are redirected.
+            await asyncio.gather(*(
+                self._call(a, "begin", job, layout,
+                           new_addresses.index(a) if a in new_addresses else -1)
+                for a in involved))
+            moves: dict[tuple[str, str], list[Chunk]] = {}
+            for chunk in self._chunks:
+                source = self.addresses[old.shard_of[chunk.key]]
+                target = new_addresses[placement.shard_of[chunk.key]]
+                if source != target:
+                    moves.setdefault((source, target), []).append(chunk)
+            moved = await asyncio.gather(*(
+                self._transfer(source, target, version, chunks)
+                for (source, target), chunks in moves.items()))
+            await asyncio.gather(*(
+                self._call(source, "release", version, [c.key for c in chunks])
+                for (source, _), chunks in moves.items()))
+            self._use(new_addresses, placement, version)
+        report = {"version": version, "bytes_moved": sum(moved),
+                  "parameter_bytes_moved": sum(c.nbytes for cs in moves.values() for c in cs),
+                  "chunks_moved": sum(len(c) for c in moves.values()),
+                  "seconds": time.monotonic() - started, "imbalance": placement.imbalance}
+        logger.info("placement version %d on %d shards: moved %d chunks, %d bytes in %.2f s",
+                    version, len(new_addresses), report["chunks_moved"],
+                    report["bytes_moved"], report["seconds"])
+        return report
+
+    async def _transfer(self, source: str, target: str, version: int,
+                        chunks: list[Chunk]) -> int:
+        """Chunks from ``source`` to ``target`` through this worker, a
+        message's worth at a time; returns the bytes moved."""
+        moved = 0
+        group: list[str] = []
+        size = 0
+        groups: list[list[str]] = []
+        for chunk in chunks:
+            if group and size + chunk.nbytes > self.config.message_bytes:
+                groups.append(group)
+                group, size = [], 0
+            group.append(chunk.key)
+            size += chunk.nbytes
+        if group:
+            groups.append(group)
+        for keys in groups:
+            records = await self._call(source, "export", version, keys)
+            await self._call(target, "adopt", version, records)
+            moved += nbytes(records)
+        return moved
+
+    async def _refresh(self, version: int) -> None:
+        """Adopt placement ``version`` (or later) from the shards."""
+        async with self._refreshing:
+            if self.version >= version:
+                return
+            layouts = await asyncio.gather(*(self._call(a, "layout") for a in self.addresses),
+                                           return_exceptions=True)
+            found = [x for x in layouts if isinstance(x, dict)]
+            if not found:
+                errors = [x for x in layouts if isinstance(x, BaseException)]
+                raise errors[0] if errors else FailedPrecondition(
+                    f"a shard redirected to placement version {version}, but none has it")
+            layout = max(found, key=lambda x: int(x["version"]))
+            addresses = [str(a) for a in layout["addresses"]]
+            shard_of = {str(k): int(v) for k, v in dict(layout["shard_of"]).items()}
+            if set(shard_of) != {c.key for c in self._chunks}:
+                raise FailedPrecondition("the shards' new placement is for other tensors")
+            await asyncio.gather(*(self._hello(a) for a in addresses))
+            self._use(addresses, Placement(len(addresses), self._chunks, shard_of),
+                      int(layout["version"]))
+            logger.info("worker %d now uses placement version %d (%d shards)", self.worker,
+                        self.version, len(addresses))
+
+    # -- bandwidth-aware balancing ------------------------------------------------------
+
+    async def bandwidth(self) -> list[float | None]:
+        """Per shard of the current placement: its effective bandwidth in
+        bytes/s since the last call, from what the shard says it received and
+        sent for this worker over the time this worker had calls to it in
+        flight, less the time the shard says those calls waited for other
+        workers. None where no bytes moved.
+        """
+        reports = await asyncio.gather(*(self._call(a, "traffic") for a in self.addresses))
+        out: list[float | None] = []
+        for address, report in zip(self.addresses, reports, strict=True):
+            link = self._link(address)
+            served = waited = 0.0
+            if float(self.worker) in report["workers"]:
+                row = report["workers"].index(float(self.worker))
+                served = report["bytes_in"][row] + report["bytes_out"][row]
+                waited = report["waited"][row]
+            busy = link.busy_now()
+            before = link.mark
+            link.mark = (busy, served, waited)
+            moved = served - before[1]
+            seconds = (busy - before[0]) - (waited - before[2])
+            out.append(moved / seconds if moved > 0 and seconds > 0 else None)
+        return out
+
+    async def rebalance(self, *, threshold: float | None = None,
+                        bandwidth: Sequence[float] | None = None) -> dict[str, Any]:
+        """Move chunks from slow shards to fast ones when the predicted step
+        time is uneven.
+
+        The predicted time of a shard is its bytes over its effective
+        bandwidth (:meth:`bandwidth`, measured since the previous call, or
+        ``bandwidth`` given). When the largest is more than ``1 +
+        threshold`` (``config.rebalance_threshold``) times the mean,
+        :func:`balance` plans a placement that evens it out and
+        :meth:`reshard` moves the chunks. Call it from one worker between
+        steps. Returns ``{"bandwidth", "predicted", "imbalance",
+        "rebalanced"}`` plus, when it moved chunks, :meth:`reshard`'s report
+        and the new ``"predicted_after"``.
+
+        Raises:
+            What :meth:`reshard` raises.
+        """
+        threshold = self.config.rebalance_threshold if threshold is None else threshold
+        measured: list[float | None] = (list(bandwidth) if bandwidth is not None
+                                        else await self.bandwidth())
+        known = [b for b in measured if b is not None]
+        report: dict[str, Any] = {"bandwidth": measured, "rebalanced": False}
+        if not known:
+            report.update(predicted=None, imbalance=1.0)
+            return report
+        fill = sum(known) / len(known)
+        speeds = [fill if b is None else b for b in measured]
+        predicted = predicted_times(self.placement, speeds)
+        mean = sum(predicted) / len(predicted)
+        imbalance = max(predicted) / mean if mean > 0 else 1.0
+        report.update(predicted=predicted, imbalance=imbalance)
+        if imbalance <= 1 + threshold:
+            return report
+        plan = balance(self.placement, speeds)
+        after = predicted_times(plan, speeds)
+        if max(after) >= max(predicted) * (1 - threshold / 2):
+            return report  # not worth moving
+        report.update(await self.reshard(self.addresses, placement=plan))
+        report.update(rebalanced=True, predicted_after=after)
+        return report
+
+    async def _maybe_rebalance(self, clock: int) -> None:
+        every = self.config.rebalance_every
+        if (every is None or self.worker != 0 or clock == 0 or clock % every
+                or self._running > 1):
+            return
+        try:
+            report = await self.rebalance()
+        except (FailedPrecondition, Unavailable) as exc:
+            logger.warning("rebalancing skipped: %s", exc)
+            return
+        logger.info("rebalance check at step %d: predicted-time imbalance %.3f%s", clock,
+                    report["imbalance"], ", moved" if report["rebalanced"] else "")
 
     # -- internals --------------------------------------------------------------------
 
-    def _prepare(self, grads: Mapping[str, Array]) -> tuple[int, list[list[Payload]]]:
+    def _prepare(self, grads: Mapping[str, Array]
+                 ) -> tuple[int, dict[str, Payload], dict[str, int] | None]:
         """Check and compress the gradients and take a clock, all before any await."""
-        self.placement  # noqa: B018 - raises before init()
+        placement = self.placement
         if set(grads) != set(self._specs):
             raise InvalidArgument(
                 f"push() needs a gradient for each tensor: unknown "
@@ -326,77 +797,132 @@ class PSClient:
                 raise InvalidArgument(f"{name!r}: gradient shape {array.shape}, "
                                       f"parameter shape {spec.shape}")
             flat[name] = np.ascontiguousarray(array, dtype=np.dtype(spec.dtype)).reshape(-1)
-        payloads = [
-            [self._feedback.compress(c.key, flat[c.name][c.start:c.stop]) for c in b.chunks]
-            for b in self._batches
-        ]
+        links = [self.link_class(s) for s in range(placement.num_shards)]
+        payloads: dict[str, Payload] = {}
+        for chunk in self._chunks:
+            grad = flat[chunk.name][chunk.start:chunk.stop]
+            carried = self._carry.pop(chunk.key, None)
+            if carried is not None:
+                grad = grad + carried
+            feedback = self._feedback_of(links[placement.shard_of[chunk.key]])
+            payloads[chunk.key] = feedback.compress(chunk.key, grad)
         clock = self.clock
         self.clock += 1
-        return clock, payloads
+        # Without priorities messages go in the order the gradients came
+        # (FIFO, as produced by the backward pass).
+        order = None if self.config.priority else {name: i for i, name in enumerate(grads)}
+        return clock, payloads, order
 
-    async def _push(self, clock: int, payloads: list[list[Payload]]) -> None:
-        with self._span("push", clock):
-            await asyncio.gather(*(self._on_batch(b, "push", clock, items)
-                                   for b, items in enumerate(payloads)))
-
-    async def _pull(self, clock: int) -> dict[str, Array]:
-        with self._span("pull", clock):
-            return self._assemble(await asyncio.gather(*(
-                self._on_batch(b, "pull", clock, []) for b in range(len(self._batches)))))
-
-    async def _push_pull(self, clock: int, payloads: list[list[Payload]]) -> dict[str, Array]:
-        with self._span("push_pull", clock):
-            return self._assemble(await asyncio.gather(*(
-                self._on_batch(b, "push_pull", clock, items)
-                for b, items in enumerate(payloads))))
+    @contextlib.contextmanager
+    def _operation(self, name: str, clock: int) -> Iterator[None]:
+        """Count one operation in the metrics, and on the timeline if there is one."""
+        timeline = self.config.timeline
+        started = time.perf_counter()
+        error = True
+        self._running += 1
+        try:
+            yield
+            error = False
+        finally:
+            self._running -= 1
+            self._metrics[name].observe(time.perf_counter() - started, error=error)
+            if timeline is not None:
+                timeline.add_since(name, "ps", started, worker=self.worker, clock=clock,
+                                   error=error)
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per operation (push, pull, push_pull): calls, errors, bytes out and
         in (compressed, as sent), latency p50/p90/p99 (s)."""
         return self._metrics.snapshot()
 
-    @contextlib.contextmanager
-    def _span(self, name: str, clock: int) -> Iterator[None]:
-        """Count one operation in the metrics, and on the timeline if there is one."""
-        timeline = self.config.timeline
-        started = time.perf_counter()
-        error = True
-        try:
-            yield
-            error = False
-        finally:
-            self._metrics[name].observe(time.perf_counter() - started, error=error)
-            if timeline is not None:
-                timeline.add_since(name, "ps", started, worker=self.worker, clock=clock,
-                                   error=error)
+    async def _run(self, method: str, clock: int, data: Mapping[str, Any], *,
+                   order: Mapping[str, int] | None = None,
+                   arrived: Callable[[Sequence[str], Sequence[Any]], None] | None = None,
+                   ) -> dict[str, Any]:
+        """``method`` for every chunk, a message per batch, each through its
+        shard's window; a batch redirected to a new placement is sent again
+        under it. ``data``: per chunk key the payload (push, push_pull), per
+        tensor name the flat values (init). Returns the results per chunk."""
+        if method in ("push", "push_pull"):
+            await self._maybe_rebalance(clock)
+        results: dict[str, Any] = {}
+        while True:
+            version = self.version
+            left = {c.key for c in self._chunks} - set(results)
+            batches = (self._batches if not results and order is None
+                       else _batches(self.placement, self.config.message_bytes,
+                                     order or self._rank, left))
+            tasks = [asyncio.ensure_future(self._send(b, method, clock, data, version,
+                                                      order is not None))
+                     for b in batches]
+            moved = 0
+            try:
+                for next_done in asyncio.as_completed(tasks):
+                    batch, result = await next_done
+                    if isinstance(result, _Moved):
+                        moved = max(moved, result.version)
+                        continue
+                    values = result if isinstance(result, list) else [None] * len(batch.keys)
+                    results.update(zip(batch.keys, values, strict=True))
+                    if arrived is not None:
+                        arrived(batch.keys, values)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                raise
+            if not moved:
+                return results
+            await self._refresh(moved)
 
-    async def _on_batch(self, index: int, method: str, clock: int,
-                        items: list[Payload]) -> Any:
-        batch, wait = self._batches[index], self.config.timeout
-        if method == "pull":
-            args: tuple[Any, ...] = (self.worker, clock, batch.keys, wait)
+    async def _send(self, batch: _Batch, method: str, clock: int, data: Mapping[str, Any],
+                    version: int, fifo: bool) -> tuple[_Batch, Any]:
+        address = self.addresses[batch.shard] if version == self.version else None
+        if address is None:
+            return batch, _Moved(self.version)
+        link = self._link(address)
+        wait = self.config.timeout
+        seen = min((self._seen.get(k, 0) for k in batch.keys), default=0)
+        if method == "init":
+            values = ([data[c.name][c.start:c.stop] for c in batch.chunks]
+                      if self.worker == 0 else [])
+            args: tuple[Any, ...] = (self.job.to_wire(), self.worker, batch.keys, values,
+                                     [c.size for c in batch.chunks], wait)
+        elif method == "pull":
+            args = (self.worker, clock, batch.keys, wait)
         else:
-            # ``seen`` tells the shard which step this worker saw complete on
-            # these chunks: a shard restored from an older checkpoint catches up.
-            args = (self.worker, clock, batch.keys, items, self._seen[index], wait)
-            self._last_push[index] = args
+            items = [data[k] for k in batch.keys]
+            args = (self.worker, clock, batch.keys, items, seen, wait)
+            for key, item in zip(batch.keys, items, strict=True):
+                self._pushed[key] = (clock, item)
         metrics = self._metrics[method]
-        metrics.bytes_out += _nbytes(items)
-        result = await self._call(batch.shard, method, *args, batch=index)
-        if method != "push":
-            metrics.bytes_in += _nbytes(result)
+        async with link.window.slot((clock,) if fifo else (clock, batch.rank)):
+            if method in ("push", "push_pull"):
+                metrics.bytes_out += nbytes(args[3])
+            with link.timing():
+                try:
+                    result = await self._call(address, method, *args, version=version,
+                                              keys=batch.keys)
+                except _Moved as moved:
+                    return batch, moved
+        if method in ("pull", "push_pull"):
+            metrics.bytes_in += nbytes(result)
             read_at = clock if method == "pull" else clock + 1
-            self._seen[index] = max(self._seen[index], read_at)
-        return result
+            for key in batch.keys:
+                self._seen[key] = max(self._seen.get(key, 0), read_at)
+        return batch, result
 
-    async def _call(self, shard: int, method: str, *args: Any, batch: int = -1) -> Any:
+    async def _call(self, address: str, method: str, *args: Any,
+                    keys: Sequence[str] = (), **kwargs: Any) -> Any:
         """Call a shard, retrying while it is unreachable (all methods are idempotent).
 
         A shard that comes back may have restarted from a checkpoint and lost
         this worker's last push, so that push goes again before a retried
         pull (a copy the shard already has is ignored).
+
+        Raises:
+            _Moved: the shard serves a later placement version.
         """
-        client = self._clients[shard]
+        client = self._link(address).client
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.config.retry_timeout
         timeout = self.config.timeout + _MARGIN
@@ -404,58 +930,56 @@ class PSClient:
         while True:
             try:
                 result = await client.call(_SHARD + method, *args, timeout=timeout,
-                                           idempotent=True)
+                                           idempotent=True, **kwargs)
             except Unavailable as exc:
                 if self._closed or loop.time() + pause > give_up:
                     raise
-                logger.warning("shard %d (%s) unavailable (%s); retrying", shard,
-                               client.address, exc)
+                logger.warning("shard %s unavailable (%s); retrying", address, exc)
             else:
                 if isinstance(result, dict) and LATE in result:
-                    raise DeadlineExceeded(f"shard {shard}: {result[LATE]}")
+                    raise DeadlineExceeded(f"shard {address}: {result[LATE]}")
+                if isinstance(result, dict) and MOVED in result:
+                    raise _Moved(int(result[MOVED]))
                 return result
             # A backoff between reconnection attempts, cut short by close().
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closing.wait(), pause)
             if self._closed:
-                raise Unavailable(f"shard {shard}: the client was closed")
+                raise Unavailable(f"shard {address}: the client was closed")
             pause = min(pause * 2, 1.0)
-            last = self._last_push.get(batch)
-            if method in ("pull", "push_pull") and last is not None and last[1] < args[1]:
+            if method in ("pull", "push_pull"):
                 try:
-                    await client.call(_SHARD + "push", *last, timeout=timeout, idempotent=True)
+                    await self._resend(client, keys, args[1], timeout, kwargs)
                 except Unavailable:
                     continue
 
-    def _assemble(self, replies: Sequence[list[Array]]) -> dict[str, Array]:
-        """Tensors from the chunk values each shard sent back."""
-        placement = self.placement
-        got: dict[str, Array] = {}
-        for batch, values in zip(self._batches, replies, strict=True):
-            for key, value in zip(batch.keys, values, strict=True):
-                got[key] = value
-        out: dict[str, Array] = {}
-        pieces: dict[str, list[Chunk]] = {}
-        for chunk in placement.chunks:
-            pieces.setdefault(chunk.name, []).append(chunk)
-        for name, chunks in pieces.items():
-            spec = self._specs[name]
-            if len(chunks) == 1:
-                out[name] = np.asarray(got[chunks[0].key]).reshape(spec.shape)
-                continue
-            whole = np.empty(spec.size, np.dtype(spec.dtype))
-            for chunk in chunks:
-                whole[chunk.start:chunk.stop] = got[chunk.key]
-            out[name] = whole.reshape(spec.shape)
-        return out
+    async def _resend(self, client: rpc.Client, keys: Sequence[str], clock: int,
+                      timeout: float, kwargs: dict[str, Any]) -> None:
+        """Push again this worker's latest payloads of ``keys`` from before ``clock``."""
+        by_clock: dict[int, list[str]] = {}
+        for key in keys:
+            last = self._pushed.get(key)
+            if last is not None and last[0] < clock:
+                by_clock.setdefault(last[0], []).append(key)
+        for pushed, group in by_clock.items():
+            seen = min(self._seen.get(k, 0) for k in group)
+            result = await client.call(
+                _SHARD + "push", self.worker, pushed, group, [self._pushed[k][1] for k in group],
+                seen, self.config.timeout, timeout=timeout, idempotent=True, **kwargs)
+            if isinstance(result, dict) and MOVED in result:
+                raise _Moved(int(result[MOVED]))
 
+    def _tensor(self, name: str, got: Mapping[str, Any]) -> Array:
+        """Tensor ``name`` from its chunks' values."""
+        spec = self._specs[name]
+        chunks = [c for c in self._chunks if c.name == name]
+        if len(chunks) == 1:
+            return np.asarray(got[chunks[0].key]).reshape(spec.shape)
+        whole = np.empty(spec.size, np.dtype(spec.dtype))
+        for chunk in chunks:
+            whole[chunk.start:chunk.stop] = got[chunk.key]
+        return whole.reshape(spec.shape)
 
-def _nbytes(value: Any) -> int:
-    """The array bytes in a payload (arrays inside dicts and lists)."""
-    if isinstance(value, np.ndarray):
-        return int(value.nbytes)
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return sum(_nbytes(v) for v in value)
-    return 0
+    def _assemble(self, got: Mapping[str, Any]) -> dict[str, Array]:
+        """Tensors from the chunk values the shards sent back."""
+        return {name: self._tensor(name, got) for name in self._specs}

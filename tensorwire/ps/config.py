@@ -95,6 +95,16 @@ class PSConfig:
         rpc: the RPC client settings of each shard connection.
         timeline: records every push, pull and push_pull as a span
             (``tensorwire.timeline``).
+        priority: send the messages of the tensors the forward pass needs
+            first (the order of ``init``'s dict) first, at most ``window``
+            in flight per shard; False sends them in the order the
+            gradients are given, all at once (FIFO).
+        window: messages in flight per shard when ``priority`` is on.
+        rebalance_every: worker 0 checks the shards' measured bandwidth
+            every this many steps and moves chunks from slow shards to fast
+            ones (None: only when :meth:`PSClient.rebalance` is called).
+        rebalance_threshold: move when the largest predicted shard time
+            (bytes / bandwidth) exceeds the mean by more than this fraction.
     """
 
     chunk_bytes: int = 4 * MiB
@@ -104,9 +114,20 @@ class PSConfig:
     retry_timeout: float = 30.0
     rpc: ClientConfig = dataclasses.field(default_factory=ClientConfig)
     timeline: Timeline | None = None
+    priority: bool = True
+    window: int = 4
+    rebalance_every: int | None = None
+    rebalance_threshold: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("chunk_bytes", "message_bytes"):
+        if self.rebalance_every is not None and (
+                not isinstance(self.rebalance_every, int) or self.rebalance_every < 1):
+            raise ConfigError(f"PSConfig.rebalance_every must be a positive int or None, "
+                              f"got {self.rebalance_every!r}")
+        if not self.rebalance_threshold >= 0:
+            raise ConfigError(f"PSConfig.rebalance_threshold must be at least 0, "
+                              f"got {self.rebalance_threshold!r}")
+        for name in ("chunk_bytes", "message_bytes", "window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"PSConfig.{name} must be a positive int, got {value!r}")

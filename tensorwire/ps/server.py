@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,12 +27,17 @@ from ._consistency import Decision
 from ._store import ShardStore
 from .config import Job, ShardConfig
 
-__all__ = ("LATE", "Shard", "ShardServer", "serve")
+__all__ = ("LATE", "MOVED", "Shard", "ShardServer", "serve")
 
 logger = logging.getLogger(__name__)
 
 Array = np.ndarray[Any, Any]
 T = TypeVar("T")
+
+#: The key of the result a shard returns to a call made with another
+#: placement version than the one it serves: ``{MOVED: version}``. The
+#: worker fetches the new placement (:meth:`Shard.layout`) and calls again.
+MOVED = "moved"
 
 #: The key of the result a shard returns when a wait for other workers ran
 #: out: ``{LATE: "message naming the workers behind"}``. A result, not a
@@ -41,17 +47,28 @@ LATE = "deadline_exceeded"
 
 
 Late = dict[str, str]
+Moved = dict[str, int]
 
 
 class _Late(Exception):
     """A wait for other workers ran out (see :data:`LATE`)."""
 
 
-async def _answer(work: Awaitable[T]) -> T | Late:
+class _Moved(Exception):
+    """The caller uses an older placement (see :data:`MOVED`)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(version)
+        self.version = version
+
+
+async def _answer(work: Awaitable[T]) -> T | Late | Moved:
     try:
         return await work
     except _Late as late:
         return {LATE: str(late)}
+    except _Moved as moved:
+        return {MOVED: moved.version}
 
 
 class Shard(rpc.Service):
@@ -74,6 +91,7 @@ class Shard(rpc.Service):
         self._periodic: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.restored_from: Path | None = None
+        self._traffic = _Traffic()
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -174,34 +192,71 @@ class Shard(rpc.Service):
 
     # -- waiting ------------------------------------------------------------------
 
-    async def _wait_until(self, ready: Any, timeout: float, describe: Any) -> None:
+    async def _wait_until(self, ready: Callable[[], bool], timeout: float,
+                          describe: Callable[[], str], worker: int | None = None) -> None:
         changed = self._condition()
+        if worker is not None:
+            self._traffic.wait_begins(worker)
         try:
             async with asyncio.timeout(timeout), changed:
                 await changed.wait_for(ready)
         except TimeoutError:
             raise _Late(describe()) from None
+        finally:
+            if worker is not None:
+                self._traffic.wait_ends(worker)
 
     async def _notify(self) -> None:
         changed = self._condition()
         async with changed:
             changed.notify_all()
 
+    async def _enter(self, worker: int, version: int, keys: list[str],
+                     wait: float) -> ShardStore:
+        """The store, once this shard serves placement ``version`` and holds ``keys``.
+
+        A caller behind the shard's version is redirected (:class:`_Moved`);
+        one ahead of it (the new placement has not reached this shard yet)
+        waits for it, as it waits for chunks still on their way here.
+        """
+        if version > 0 and (self.store is None or self.store.version < version):
+            await self._wait_until(
+                lambda: self.store is not None and self.store.version >= version, wait,
+                lambda: f"worker {worker} waited {wait:g} s for placement version {version}")
+        store = self._store()
+        if version < store.version:
+            raise _Moved(store.version)
+        if store.incoming.intersection(keys):
+            await self._wait_until(
+                lambda: store.version != version or not store.incoming.intersection(keys),
+                wait, lambda: (f"worker {worker} waited {wait:g} s for chunks moving to this "
+                               f"shard: {sorted(store.incoming.intersection(keys))[:5]}"))
+            if store.version != version:
+                raise _Moved(store.version)
+        return store
+
     # -- remote methods -----------------------------------------------------------
 
     @rpc.method(idempotent=True)
+    async def hello(self) -> dict[str, Any]:
+        """Who this shard is: its host name (workers on the same host treat
+        the link as local) and the placement version it serves."""
+        return {"host": socket.gethostname(),
+                "version": 0 if self.store is None else self.store.version}
+
+    @rpc.method(idempotent=True)
     async def init(self, job: dict[str, Any], worker: int, keys: list[str],
-                   values: list[Array], sizes: list[int], wait: float) -> list[Array] | Late:
+                   values: list[Array], sizes: list[int], wait: float,
+                   version: int = 0) -> list[Array] | Late | Moved:
         """Set up the job (the first worker to arrive sets it) and the chunks.
 
         Worker 0 sends ``values``, taken by chunks that have none yet; other
         workers send none and wait up to ``wait`` seconds for worker 0.
         Returns the chunks' values.
         """
-        return await _answer(self._init(job, worker, keys, values, sizes, wait))
+        return await _answer(self._init(job, worker, keys, values, sizes, wait, version))
 
-    async def _init(self, job: dict[str, Any], worker: int, keys: list[str],
-                    values: list[Array], sizes: list[int], wait: float) -> list[Array]:
+    def _job(self, job: dict[str, Any], worker: int) -> ShardStore:
         try:
             wanted = Job.from_wire(job)
         except ConfigError as exc:
@@ -215,7 +270,15 @@ class Shard(rpc.Service):
                 f"this shard serves another job: {self.store.job.to_wire()}, "
                 f"worker {worker} asked for {wanted.to_wire()}"
             )
-        store = self.store
+        return self.store
+
+    async def _init(self, job: dict[str, Any], worker: int, keys: list[str],
+                    values: list[Array], sizes: list[int], wait: float,
+                    version: int) -> list[Array]:
+        if version == 0:
+            self._job(job, worker)
+        store = await self._enter(worker, version, keys, wait)
+        self._job(job, worker)
         store.clocks.check_worker(worker)
         if len(sizes) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
@@ -236,27 +299,34 @@ class Shard(rpc.Service):
 
     @rpc.method(idempotent=True)
     async def push(self, worker: int, clock: int, keys: list[str], payloads: list[Payload],
-                   seen: int, wait: float) -> Late | None:
+                   seen: int, wait: float, version: int = 0) -> Late | Moved | None:
         """Take ``worker``'s gradients for step ``clock`` (a retry is ignored).
 
         ``seen`` is the clock of the worker's latest read from this shard. In
         sync mode a push for a step beyond the one being collected waits up
-        to ``wait`` seconds for that step to complete.
+        to ``wait`` seconds for that step to complete. ``version`` is the
+        placement the worker uses: another one is answered ``{MOVED: v}``.
         """
-        return await _answer(self._push(worker, clock, keys, payloads, seen, wait))
+        self._traffic.received(worker, payloads)
+        return await _answer(self._push(worker, clock, keys, payloads, seen, wait, version))
 
     async def _push(self, worker: int, clock: int, keys: list[str], payloads: list[Payload],
-                    seen: int, wait: float) -> None:
-        store = self._store()
-        decision = store.admit(worker, clock, keys, seen)
-        if decision is Decision.WAIT:
+                    seen: int, wait: float, version: int) -> None:
+        store = await self._enter(worker, version, keys, wait)
+        # A pure check while waiting: admit() may change the chunks' clocks.
+        if store.decide(worker, clock, keys, seen) is Decision.WAIT:
             await self._wait_until(
-                lambda: store.admit(worker, clock, keys, seen) is not Decision.WAIT, wait,
+                lambda: (store.version != version
+                         or store.decide(worker, clock, keys, seen) is not Decision.WAIT),
+                wait,
                 lambda: (f"push of worker {worker} for step {clock} waited {wait:g} s: an "
                          f"earlier step still waits for workers "
                          f"{store.clocks.waiting_for(keys)}"),
+                worker,
             )
-            decision = store.admit(worker, clock, keys, seen)
+            if store.version != version:
+                raise _Moved(store.version)
+        decision = store.admit(worker, clock, keys, seen)
         if decision is Decision.DUPLICATE:
             logger.debug("duplicate push of worker %d for step %d ignored", worker, clock)
             return
@@ -266,38 +336,47 @@ class Shard(rpc.Service):
 
     @rpc.method(idempotent=True)
     async def pull(self, worker: int, clock: int, keys: list[str],
-                   wait: float) -> list[Array] | Late:
+                   wait: float, version: int = 0) -> list[Array] | Late | Moved:
         """The chunks' values once ``worker`` at ``clock`` may read them.
 
         Waits up to ``wait`` seconds; the answer then names the workers that
         are behind.
         """
-        return await _answer(self._pull(worker, clock, keys, wait))
+        return self._traffic.sent(worker, await _answer(self._pull(worker, clock, keys, wait,
+                                                                   version)))
 
-    async def _pull(self, worker: int, clock: int, keys: list[str], wait: float) -> list[Array]:
-        store = self._store()
+    async def _pull(self, worker: int, clock: int, keys: list[str], wait: float,
+                    version: int) -> list[Array]:
+        store = await self._enter(worker, version, keys, wait)
         if not store.clocks.ready(worker, clock, keys):
             await self._wait_until(
-                lambda: store.clocks.ready(worker, clock, keys), wait,
+                lambda: store.version != version or store.clocks.ready(worker, clock, keys),
+                wait,
                 lambda: (f"worker {worker} at clock {clock} waited {wait:g} s for workers "
                          f"{store.clocks.behind(clock, keys)} (behind; shard clocks "
                          f"{store.clocks.clocks})"),
+                worker,
             )
+            if store.version != version:
+                raise _Moved(store.version)
         return store.values(keys)
 
     @rpc.method(idempotent=True)
     async def push_pull(self, worker: int, clock: int, keys: list[str],
                         payloads: list[Payload], seen: int,
-                        wait: float) -> list[Array] | Late:
+                        wait: float, version: int = 0) -> list[Array] | Late | Moved:
         """``push`` then ``pull`` at ``clock + 1``, in one round trip."""
-        return await _answer(self._push_pull(worker, clock, keys, payloads, seen, wait))
+        self._traffic.received(worker, payloads)
+        return self._traffic.sent(worker, await _answer(
+            self._push_pull(worker, clock, keys, payloads, seen, wait, version)))
 
     async def _push_pull(self, worker: int, clock: int, keys: list[str],
-                         payloads: list[Payload], seen: int, wait: float) -> list[Array]:
+                         payloads: list[Payload], seen: int, wait: float,
+                         version: int) -> list[Array]:
         started = time.monotonic()
-        await self._push(worker, clock, keys, payloads, seen, wait)
+        await self._push(worker, clock, keys, payloads, seen, wait, version)
         remaining = max(wait - (time.monotonic() - started), 1e-3)
-        return await self._pull(worker, clock + 1, keys, remaining)
+        return await self._pull(worker, clock + 1, keys, remaining, version)
 
     @rpc.method(idempotent=True)
     async def checkpoint(self) -> str:
@@ -306,10 +385,11 @@ class Shard(rpc.Service):
 
     @rpc.method(idempotent=True)
     async def status(self) -> dict[str, Any]:
-        """Clocks, chunk count, bytes held, updates, checkpoint facts."""
+        """Clocks, chunk count, bytes held, updates, checkpoint facts,
+        placement version."""
         store = self.store
         if store is None:
-            return {"job": None}
+            return {"job": None, "host": socket.gethostname()}
         return {
             "job": store.job.to_wire(),
             "step": store.clocks.step,
@@ -319,7 +399,126 @@ class Shard(rpc.Service):
             "bytes": sum(e.value.nbytes for e in store.entries.values()),
             "updates": store.updates,
             "restored_from": None if self.restored_from is None else str(self.restored_from),
+            "version": store.version,
+            "host": socket.gethostname(),
         }
+
+    @rpc.method(idempotent=True)
+    async def traffic(self) -> dict[str, list[float]]:
+        """Per worker, since the shard started: array bytes received and sent
+        by push, pull and push_pull, and the seconds its calls spent waiting
+        for other workers (time a worker can subtract from its calls' to
+        learn this shard's effective bandwidth)."""
+        return self._traffic.report()
+
+    # -- placement changes (driven by one worker, see PSClient.reshard) ------------
+
+    @rpc.method(idempotent=True)
+    async def layout(self) -> dict[str, Any] | None:
+        """The placement this shard serves (None: version 0, computed by
+        every worker from the tensors)."""
+        return None if self.store is None else self.store.layout
+
+    @rpc.method(idempotent=True)
+    async def begin(self, job: dict[str, Any], layout: dict[str, Any], index: int) -> int:
+        """Serve placement ``layout`` as its shard ``index`` (-1: none).
+
+        From now on a call of an older version is answered ``{MOVED: v}``,
+        calls waiting here are woken to get that answer, and chunks this
+        shard should own are waited for until :meth:`adopt` brings them.
+        Returns the version served.
+        """
+        store = self.store or self._job(job, -1)
+        if store.job != Job.from_wire(job):
+            self._job(job, -1)  # raises: another job
+        store.begin(layout, index)
+        logger.info("placement version %d: shard %d, %d chunks to receive", store.version,
+                    index, len(store.incoming))
+        await self._notify()
+        return store.version
+
+    def _at(self, version: int) -> ShardStore:
+        store = self._store()
+        if store.version != version:
+            raise FailedPrecondition(f"this shard serves placement version {store.version}, "
+                                     f"not {version}")
+        return store
+
+    @rpc.method(idempotent=True)
+    async def export(self, version: int, keys: list[str]) -> list[dict[str, Any]]:
+        """The whole state of chunks that leave this shard in ``version``
+        (kept until :meth:`release`)."""
+        return self._at(version).export(keys)
+
+    @rpc.method(idempotent=True)
+    async def adopt(self, version: int, records: list[dict[str, Any]]) -> int:
+        """Take chunks moving here in ``version``; returns how many were new."""
+        taken = self._at(version).adopt(records)
+        await self._notify()
+        return taken
+
+    @rpc.method(idempotent=True)
+    async def release(self, version: int, keys: list[str]) -> None:
+        """Drop chunks that now live elsewhere (after their :meth:`adopt`)."""
+        store = self._at(version)
+        owned = store.layout["shard_of"] if store.layout is not None else {}
+        mine = [key for key in keys if owned.get(key) != store.index]
+        store.release(mine)
+
+
+class _Traffic:
+    """Per worker: array bytes in and out, and the wall time during which at
+    least one of its calls waited for other workers."""
+
+    def __init__(self) -> None:
+        self.bytes_in: dict[int, int] = {}
+        self.bytes_out: dict[int, int] = {}
+        self.waited: dict[int, float] = {}
+        self._waiting: dict[int, int] = {}
+        self._since: dict[int, float] = {}
+
+    def received(self, worker: int, payloads: Any) -> None:
+        self.bytes_in[worker] = self.bytes_in.get(worker, 0) + nbytes(payloads)
+
+    def sent(self, worker: int, result: T) -> T:
+        if isinstance(result, list):
+            self.bytes_out[worker] = self.bytes_out.get(worker, 0) + nbytes(result)
+        return result
+
+    def wait_begins(self, worker: int) -> None:
+        count = self._waiting.get(worker, 0)
+        if count == 0:
+            self._since[worker] = time.monotonic()
+        self._waiting[worker] = count + 1
+
+    def wait_ends(self, worker: int) -> None:
+        count = self._waiting[worker] - 1
+        self._waiting[worker] = count
+        if count == 0:
+            self.waited[worker] = (self.waited.get(worker, 0.0)
+                                   + time.monotonic() - self._since.pop(worker))
+
+    def report(self) -> dict[str, list[float]]:
+        workers = sorted(set(self.bytes_in) | set(self.bytes_out) | set(self.waited)
+                         | set(self._waiting))
+        now = time.monotonic()
+        waited = [self.waited.get(w, 0.0)
+                  + (now - self._since[w] if self._waiting.get(w) else 0.0) for w in workers]
+        return {"workers": [float(w) for w in workers],
+                "bytes_in": [float(self.bytes_in.get(w, 0)) for w in workers],
+                "bytes_out": [float(self.bytes_out.get(w, 0)) for w in workers],
+                "waited": waited}
+
+
+def nbytes(value: Any) -> int:
+    """The array bytes in a value (arrays inside dicts and lists)."""
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(nbytes(v) for v in value)
+    return 0
 
 
 class ShardServer:

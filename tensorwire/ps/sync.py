@@ -122,6 +122,14 @@ class SyncClient:
         """See :meth:`PSClient.status`."""
         return self._wait(self._start(self._client.status))
 
+    def reshard(self, addresses: Sequence[str]) -> dict[str, Any]:
+        """See :meth:`PSClient.reshard`: call between steps."""
+        return self._wait(self._start(lambda: self._client.reshard(addresses)))
+
+    def rebalance(self, *, threshold: float | None = None) -> dict[str, Any]:
+        """See :meth:`PSClient.rebalance`: call between steps."""
+        return self._wait(self._start(lambda: self._client.rebalance(threshold=threshold)))
+
     def close(self) -> None:
         """Close the shard connections, let calls submitted before it end (they fail
         with ``Unavailable``), and stop the background thread."""

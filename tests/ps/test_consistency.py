@@ -207,3 +207,54 @@ def test_job_validation() -> None:
         ps.Job(0, "sync", 0, ps.SGD(lr=0.1))
     job = ps.Job(3, "ssp", 2, ps.Adam())
     assert ps.Job.from_wire(job.to_wire()) == job
+
+
+def test_decide_is_a_pure_check_and_admit_acts_on_it() -> None:
+    c = Clocks("sync", 2)
+    c.restore({"a#0": {"taken": [3, 3], "step": 3}})
+    before = c.snapshot()
+    # What admit would say, asked any number of times, changes nothing ...
+    for _ in range(3):
+        assert c.decide(1, 7, K, seen=7) is Decision.APPLY
+        assert c.decide(1, 8, K, seen=7) is Decision.WAIT
+    assert c.snapshot() == before and c.lost_steps == 0
+    # ... and admit does what decide said, then changes the clocks.
+    assert c.admit(1, 7, K, seen=7) == (Decision.APPLY, [])
+    assert c.step == 7 and c.lost_steps == 4
+
+
+def test_a_moved_chunk_keeps_its_idempotence_keys_and_partial_step() -> None:
+    source = store("sync", workers=3, optimizer=ps.Adam(lr=0.1))
+    for worker in range(3):
+        push_all(source, worker, 0, 1.0 + worker)
+    # Step 1 is half collected when the chunks move.
+    push_all(source, 0, 1, 2.0)
+    records = source.export(["a#0", "b#0"])
+    assert source.values(["a#0"])  # export changes nothing on the source
+    target = ShardStore(source.job)
+    target.begin({"version": 1, "addresses": ["x"], "shard_of": {"a#0": 0, "b#0": 0},
+                  "step": 1}, 0)
+    assert target.incoming == {"a#0", "b#0"}
+    assert target.adopt(records) == 2 and not target.incoming
+    assert target.adopt(records) == 0  # a retried transfer keeps what is there
+    twin = ShardStore.restore(*source.snapshot())
+    twin.push(0, 1, ["a#0", "b#0"], [payload(np.full(3, 2.0, np.float32)),
+                                     payload(np.full(2, 2.0, np.float32))])
+    # Worker 0's push of step 1 moved with the chunk: a retry is a duplicate.
+    assert target.admit(0, 1, ["a#0", "b#0"]) is Decision.DUPLICATE
+    assert not target.push(0, 1, ["a#0"], [payload(np.full(3, 50.0, np.float32))])
+    for worker in (1, 2):
+        push_all(target, worker, 1, 3.0)
+        push_all(twin, worker, 1, 3.0)
+    for key in ("a#0", "b#0"):
+        np.testing.assert_array_equal(target.values([key])[0], twin.values([key])[0])
+    assert target.clocks.snapshot() == twin.clocks.snapshot()
+    source.release(["a#0"])
+    assert list(source.entries) == ["b#0"] and "a#0" not in source.clocks.chunks
+
+
+def push_all(shard: ShardStore, worker: int, clock: int, value: float) -> None:
+    keys = ["a#0", "b#0"]
+    assert shard.admit(worker, clock, keys) is Decision.APPLY
+    shard.push(worker, clock, keys, [payload(np.full(3, value, np.float32)),
+                                     payload(np.full(2, value, np.float32))])

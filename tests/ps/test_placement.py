@@ -131,3 +131,65 @@ def test_small_tensors_are_whole_chunks_and_share_one_message_per_shard() -> Non
 def test_spec_of_an_array() -> None:
     spec = ps.TensorSpec.of("w", np.zeros((2, 3), np.float64))
     assert (spec.shape, spec.size, spec.nbytes) == ((2, 3), 6, 48)
+
+
+def by_address(placement: ps.Placement, addresses: list[str]) -> dict[str, str]:
+    return {key: addresses[shard] for key, shard in placement.shard_of.items()}
+
+
+def test_relocate_by_address_keeps_chunks_on_surviving_shards() -> None:
+    chunks = ps.chunk_tensors(resnet50(), 4 * MiB)
+    total = sum(c.nbytes for c in chunks)
+    old = ps.place(chunks, 4)
+    before = by_address(old, ["a", "b", "c", "d"])
+    # Shard "b" leaves and "e" joins, in another order than before.
+    new = ps.relocate(old, ["a", "b", "c", "d"], ["e", "d", "a", "c"])
+    after = by_address(new, ["e", "d", "a", "c"])
+    assert new.num_shards == 4 and new.imbalance <= 1.05
+    moved = sum(c.nbytes for c in chunks if before[c.key] != after[c.key])
+    # What "b" held has to go, and "e" starts empty: about one share moves.
+    assert old.loads()[1] <= moved <= 1.3 * total / 4
+    assert all(after[c.key] == before[c.key] for c in chunks
+               if before[c.key] != "b" and after[c.key] != "e")
+    with pytest.raises(ConfigError):
+        ps.relocate(old, ["a", "b"], ["a"])
+    with pytest.raises(ConfigError):
+        ps.relocate(old, ["a", "b", "c", "d"], ["a", "a"])
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_balance_follows_bandwidth_moving_little(shards: int) -> None:
+    chunks = ps.chunk_tensors(resnet50(), 1 * MiB)
+    total = sum(c.nbytes for c in chunks)
+    old = ps.place(chunks, shards)
+    # One shard behind a link a quarter as fast as the others.
+    bandwidth = [1e9] * (shards - 1) + [0.25e9]
+    before = max(ps.predicted_times(old, bandwidth))
+    new = ps.balance(old, bandwidth)
+    after = ps.predicted_times(new, bandwidth)
+    ideal = total / sum(bandwidth)  # every shard done at the same moment
+    assert before > 2.4 * ideal  # 4 (k - 0.75) / k times the ideal
+    assert max(after) <= 1.03 * ideal, max(after) / ideal
+    # Only the slow shard's excess moves: its share was 1/k, it should be
+    # 0.25 / (k - 0.75).
+    excess = old.loads()[-1] - total * 0.25 / (shards - 0.75)
+    assert old.moved_bytes(new) <= 1.15 * excess
+    assert all(new.shard_of[c.key] == old.shard_of[c.key] for c in chunks
+               if old.shard_of[c.key] == shards - 1 and new.shard_of[c.key] == shards - 1)
+
+
+def test_balance_leaves_an_even_placement_alone() -> None:
+    chunks = ps.chunk_tensors(resnet50(), 4 * MiB)
+    old = ps.place(chunks, 4)
+    new = ps.balance(old, [1e9] * 4)
+    assert old.moved_bytes(new) == 0
+    # Twice the bandwidth, twice the share: 1/3 of the bytes instead of 1/4.
+    assert ps.balance(old, [2e9, 2e9, 1e9, 1e9]).loads()[0] > 1.25 * old.loads()[0]
+
+
+def test_predicted_times_refuse_bad_bandwidths() -> None:
+    old = ps.place(ps.chunk_tensors(resnet50(), 4 * MiB), 2)
+    with pytest.raises(ConfigError):
+        ps.predicted_times(old, [1.0])
+    with pytest.raises(ConfigError):
+        ps.balance(old, [1.0, 0.0])

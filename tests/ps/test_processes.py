@@ -193,3 +193,34 @@ def test_tensorwire_demo_trains() -> None:
         capture_output=True, text=True, timeout=110, cwd=w.ROOT)
     assert result.returncode == 0, result.stderr
     assert "final test accuracy" in result.stdout
+
+
+@pytest.mark.parametrize("url", URLS)
+async def test_sync_training_goes_on_across_adding_and_removing_a_shard(
+        pool: concurrent.futures.Executor, url: str) -> None:
+    # Adam: its moments must move with the chunks, or the result would differ.
+    steps, optimizer = 9, ps.Adam(lr=0.01)
+    async with shards(url, 3) as (first, second, third):
+        moves = {3: [first, second, third], 6: [second, third]}
+        results = await run_workers(pool, w.train_moving, *(
+            (
+                [first, second], rank, WORKERS, steps, optimizer, moves if rank == 0 else {}
+            ) for rank in range(WORKERS)))
+    expected = w.reference(results[0]["start"], WORKERS, steps, optimizer)
+    for result in results:
+        # Every worker learned both new placements from a shard's redirect.
+        assert result["version"] == 2 and result["addresses"] == [second, third]
+        for name, value in expected.items():
+            np.testing.assert_allclose(result["final"][name], value, rtol=1e-5, atol=1e-6)
+    added, removed = results[0]["reports"]
+    specs = [ps.TensorSpec.of(k, v) for k, v in w.initial(0).items()]
+    before = ps.place(ps.chunk_tensors(specs, w.CHUNK_BYTES), 2)
+    total = sum(before.loads())
+    # Each move shifted what the placement plan said (with seven chunks, more
+    # than a third: test_placement checks 1/(k+1) on a real model), with the
+    # chunks' Adam moments (and any sync step being collected) beside them.
+    plan = ps.relocate(before, ["a", "b"], ["a", "b", "c"])
+    assert added["parameter_bytes_moved"] == before.moved_bytes(plan)
+    assert 3 * added["parameter_bytes_moved"] <= added["bytes_moved"]
+    assert added["version"] == 1 and removed["version"] == 2
+    assert 0 < removed["parameter_bytes_moved"] < 0.6 * total

@@ -342,3 +342,41 @@ async def test_close_fails_a_waiting_call_at_once() -> None:
             await waiting
         assert loop.time() - started < 5
         await clients[1].close()
+
+
+async def test_a_worker_on_an_old_placement_is_redirected_and_follows() -> None:
+    async with shards(3) as servers:
+        addresses = [s.addresses[0] for s in servers]
+        leader, other = await workers(servers[:2], 2, optimizer=ps.Adam(lr=0.1))
+        await asyncio.gather(leader.init(model()), other.init(model()))
+        await asyncio.gather(leader.push_pull(ones(1.0)), other.push_pull(ones(2.0)))
+        report = await leader.reshard(addresses)
+        assert report["version"] == 1 and report["chunks_moved"] > 0
+        assert other.version == 0
+        # A call with the old version is answered with the new one, not served.
+        async with tw.connect(addresses[0], timeout=10) as probe:
+            keys = [c.key for c in other.placement.on_shard(0)]
+            answer = await probe.call("tensorwire.ps.Shard.pull", 1, 1, keys, 5, version=0)
+            assert answer == {"moved": 1}
+            layout = await probe.call("tensorwire.ps.Shard.layout")
+            assert layout["addresses"] == addresses and layout["version"] == 1
+        got = await asyncio.gather(leader.push_pull(ones(1.0)), other.push_pull(ones(2.0)))
+        assert other.version == 1 and other.addresses == addresses
+        np.testing.assert_array_equal(got[0]["w"], got[1]["w"])
+        statuses = await other.status()
+        assert [s["version"] for s in statuses] == [1, 1, 1]
+        assert all(s["step"] == 2 for s in statuses)
+        assert sum(s["chunks"] for s in statuses) == len(other.placement.chunks)
+        for client in (leader, other):
+            await client.close()
+
+
+async def test_reshard_refuses_a_placement_that_does_not_fit() -> None:
+    async with shards(2) as servers:
+        (client,) = await workers(servers, 1)
+        with pytest.raises(FailedPrecondition):
+            await client.reshard([s.addresses[0] for s in servers])
+        await client.init(model())
+        with pytest.raises(InvalidArgument):
+            await client.reshard([servers[0].addresses[0]], placement=client.placement)
+        await client.close()

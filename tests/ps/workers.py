@@ -137,3 +137,29 @@ async def _drain(stream: asyncio.StreamReader, keep: bytearray | None) -> None:
     while data := await stream.read(65536):
         if keep is not None:
             keep += data
+
+
+def train_moving(addresses: list[str], worker: int, workers: int, steps: int,
+                 optimizer: ps.Optimizer, moves: dict[int, list[str]]) -> dict[str, Any]:
+    """Sync training with push_pull; worker 0 changes the placement to
+    ``moves[step]``'s shards before those steps. Returns the initial and
+    final parameters, the reports of the moves and the placement version
+    this worker ended on."""
+
+    async def main() -> dict[str, Any]:
+        config = ps.PSConfig(chunk_bytes=CHUNK_BYTES, timeout=30)
+        client = await ps.connect(addresses, worker=worker, num_workers=workers,
+                                  optimizer=optimizer, config=config)
+        reports = []
+        async with client:
+            start = await client.init(initial(worker))
+            start = {k: v.copy() for k, v in start.items()}
+            params = start
+            for step in range(steps):
+                if worker == 0 and step in moves:
+                    reports.append(await client.reshard(moves[step]))
+                params = await client.push_pull(gradient(params, worker, step))
+            return {"start": start, "final": params, "reports": reports,
+                    "version": client.version, "addresses": client.addresses}
+
+    return asyncio.run(main())
