@@ -204,6 +204,8 @@ class _Link:
         self._since = 0.0
         #: At the last bandwidth measurement: (busy seconds, bytes, waited seconds).
         self.mark = (0.0, 0.0, 0.0)
+        #: The bandwidth estimate rebalance() uses (bytes/s).
+        self.estimate: float | None = None
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
@@ -732,8 +734,10 @@ class PSClient:
         bandwidth (:meth:`bandwidth`, measured since the previous call, or
         ``bandwidth`` given). When the largest is more than ``1 +
         threshold`` (``config.rebalance_threshold``) times the mean,
-        :func:`balance` plans a placement that evens it out and
-        :meth:`reshard` moves the chunks. Call it from one worker between
+        :func:`balance` plans a placement that evens it out and, if that
+        cuts the largest predicted time by more than the same fraction,
+        :meth:`reshard` moves the chunks. Each shard's estimate is the mean
+        of its last two measurements. Call it from one worker between
         steps. Returns ``{"bandwidth", "predicted", "imbalance",
         "rebalanced"}`` plus, when it moved chunks, :meth:`reshard`'s report
         and the new ``"predicted_after"``.
@@ -744,6 +748,15 @@ class PSClient:
         threshold = self.config.rebalance_threshold if threshold is None else threshold
         measured: list[float | None] = (list(bandwidth) if bandwidth is not None
                                         else await self.bandwidth())
+        if bandwidth is None:
+            # Each link's estimate is the mean of its last two measurements:
+            # one step's worth of traffic is noisy, a slower reaction is cheap.
+            for i, (address, value) in enumerate(zip(self.addresses, measured, strict=True)):
+                link = self._link(address)
+                if value is not None:
+                    link.estimate = value if link.estimate is None else (
+                        link.estimate + value) / 2
+                measured[i] = link.estimate
         known = [b for b in measured if b is not None]
         report: dict[str, Any] = {"bandwidth": measured, "rebalanced": False}
         if not known:
@@ -759,8 +772,10 @@ class PSClient:
             return report
         plan = balance(self.placement, speeds)
         after = predicted_times(plan, speeds)
-        if max(after) >= max(predicted) * (1 - threshold / 2):
-            return report  # not worth moving
+        if max(after) * (1 + threshold) >= max(predicted):
+            # Chunks too coarse to do better, or too little to gain.
+            report["predicted_after"] = after
+            return report
         report.update(await self.reshard(self.addresses, placement=plan))
         report.update(rebalanced=True, predicted_after=after)
         return report
@@ -775,7 +790,9 @@ class PSClient:
         except (FailedPrecondition, Unavailable) as exc:
             logger.warning("rebalancing skipped: %s", exc)
             return
-        logger.info("rebalance check at step %d: predicted-time imbalance %.3f%s", clock,
+        logger.info("rebalance check at step %d: bandwidth %s MB/s, predicted-time "
+                    "imbalance %.3f%s", clock,
+                    [None if b is None else round(b / 1e6, 1) for b in report["bandwidth"]],
                     report["imbalance"], ", moved" if report["rebalanced"] else "")
 
     # -- internals --------------------------------------------------------------------
