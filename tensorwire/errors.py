@@ -89,7 +89,15 @@ class UnsupportedTransportError(TransportError):
 
 
 class LimitExceededError(TransportError):
-    """A peer announced a message larger than the configured limits."""
+    """A peer announced a message larger than the configured limits.
+
+    Attributes:
+        head: the refused message's first frame, when a transport skipped
+            the message and the frame was small enough to keep (see
+            ``Connection.refuse_oversized``); else None.
+    """
+
+    head: bytes | None = None
 
 
 # --- rpc ---------------------------------------------------------------------

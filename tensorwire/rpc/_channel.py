@@ -14,7 +14,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConnectionClosedError, TensorwireError, TransportError, Unavailable
+from ..errors import (
+    ConnectionClosedError,
+    LimitExceededError,
+    TensorwireError,
+    TransportError,
+    Unavailable,
+)
 from ..transports import Connection
 from . import protocol
 from .protocol import Message
@@ -49,9 +55,11 @@ class Channel:
         *,
         heartbeat_timeout: float,
         ping_interval: float | None = None,
+        on_refused: Callable[[Message | None, LimitExceededError], None] | None = None,
     ) -> None:
         self.conn = conn
         self._on_message = on_message
+        self._on_refused = on_refused
         self._on_close = on_close
         self._timeout = heartbeat_timeout
         self._ping_interval = ping_interval
@@ -224,6 +232,10 @@ class Channel:
             # complete (no task wake-up per message); recv() then only
             # raises when the connection ends.
             conn.deliver_to(self._deliver)
+            if self._on_refused is not None:
+                # A message beyond our limits then fails only its own call
+                # (RESOURCE_EXHAUSTED), where the transport can skip it.
+                conn.refuse_oversized(self._refused)
             while True:
                 self._deliver(await conn.recv())
         except asyncio.CancelledError:
@@ -247,6 +259,24 @@ class Channel:
         except Exception as exc:
             logger.exception("RPC session on %s failed", self.conn.peer_address)
             self.close_with(TransportError(f"RPC session failed: {exc!r}"))
+
+    def _refused(self, error: LimitExceededError) -> None:
+        """The transport skipped a message beyond our limits: tell the
+        session which call it belonged to, when its first frame says."""
+        if self.error is not None or self._on_refused is None:
+            return
+        self._last_seen = self._loop.time()
+        message: Message | None = None
+        if error.head is not None:
+            try:
+                message = protocol.parse([error.head])
+            except TensorwireError:
+                message = None
+        try:
+            self._on_refused(message, error)
+        except TensorwireError as exc:
+            logger.warning("closing connection to %s: %s", self.conn.peer_address, exc)
+            self.close_with(exc)
 
     async def _watchdog(self) -> None:
         tick = min(self._ping_interval or self._timeout, self._timeout / 4)

@@ -18,8 +18,10 @@ from .. import serde
 from .._metrics import MethodMetrics, Metrics
 from ..errors import (
     DeadlineExceeded,
+    LimitExceededError,
     ProtocolError,
     RemoteError,
+    ResourceExhausted,
     TensorwireError,
     TransportError,
     Unavailable,
@@ -170,6 +172,7 @@ class _Session:
             self._on_close,
             heartbeat_timeout=config.heartbeat_timeout,
             ping_interval=config.heartbeat_interval,
+            on_refused=self._on_refused,
         )
         self.channel.start()
 
@@ -194,11 +197,28 @@ class _Session:
         pending.metrics.bytes_in += nbytes
         pending.deliver(message)
 
+    def _on_refused(self, message: protocol.Message | None,
+                    error: LimitExceededError) -> None:
+        """A reply beyond the client's limits was skipped: its call fails
+        with RESOURCE_EXHAUSTED, the connection goes on."""
+        if message is None or isinstance(message, protocol.Request):
+            raise error  # no call to blame: the connection ends
+        pending = self.pending.get(message.call_id)
+        if pending is not None:
+            pending.fail(ResourceExhausted(
+                f"a reply from {self.client.address} is beyond this client's limits: {error}"))
+
     def _on_close(self, error: TensorwireError) -> None:
         self.error = error
-        lost = error if isinstance(error, Unavailable) else Unavailable(
-            f"connection to {self.client.address} lost: {error}"
-        )
+        lost: RemoteError
+        if isinstance(error, Unavailable):
+            lost = error
+        elif isinstance(error, LimitExceededError):
+            # The transport could not skip it: every call on the connection
+            # is lost, and they learn which limit did it.
+            lost = ResourceExhausted(f"connection to {self.client.address} dropped: {error}")
+        else:
+            lost = Unavailable(f"connection to {self.client.address} lost: {error}")
         for pending in list(self.pending.values()):
             pending.fail(lost)
         if self._timer is not None:

@@ -22,6 +22,7 @@ from ..errors import (
     DeadlineExceeded,
     Internal,
     InvalidArgument,
+    LimitExceededError,
     NotFound,
     ProtocolError,
     RemoteError,
@@ -249,7 +250,8 @@ class _Session:
         self.client_name = client_name
         self.calls: dict[int, _Call] = {}
         self.channel = Channel(conn, self._on_message, self._on_close,
-                               heartbeat_timeout=server.config.heartbeat_timeout)
+                               heartbeat_timeout=server.config.heartbeat_timeout,
+                               on_refused=self._on_refused)
         self._accepting = True
         self._done = asyncio.Event()
 
@@ -300,6 +302,28 @@ class _Session:
                 call.grant(message.count)
         else:
             raise ProtocolError(f"a client may not send {message.kind.name}")
+
+    def _on_refused(self, message: protocol.Message | None,
+                    error: LimitExceededError) -> None:
+        """A request or stream item beyond the server's limits was skipped:
+        that call fails with RESOURCE_EXHAUSTED, the connection goes on."""
+        if isinstance(message, protocol.Request):
+            handler = self.server._handlers.get(message.method)
+            if handler is not None:
+                handler.metrics.observe(0.0, error=True)
+            exhausted = ResourceExhausted(
+                f"the request to {message.method} is beyond this server's limits: {error}")
+            self.channel.send_soon(_error_message(message.call_id, exhausted))
+        elif isinstance(message, protocol.Item):
+            call = self.calls.pop(message.call_id, None)
+            if call is not None:
+                call.task.cancel()
+                exhausted = ResourceExhausted(
+                    f"a stream item is beyond this server's limits: {error}")
+                self.channel.send_soon(_error_message(message.call_id, exhausted))
+        else:
+            # No call to blame: the connection cannot go on sensibly.
+            raise error
 
     def _start(self, request: protocol.Request, nbytes: int) -> None:
         call_id = request.call_id

@@ -148,6 +148,17 @@ def writable_view(buffer: Any, info: FrameInfo) -> memoryview:
     return view
 
 
+#: The largest first frame kept from a refused message (``LimitExceededError.head``).
+HEAD_MAX = 64 * 1024
+
+
+def refused_head(sizes: Sequence[int], limits: Limits) -> int | None:
+    """The size of a refused message's first frame if it is to be kept."""
+    if sizes and sizes[0] <= HEAD_MAX and sizes[0] <= limits.max_frame_bytes:
+        return sizes[0]
+    return None
+
+
 def check_frame_count(nframes: int, limits: Limits) -> None:
     """Refuse a message announced with more frames than ``limits`` allow.
 
@@ -394,6 +405,23 @@ class Connection(abc.ABC):
         Returns False when the transport does not deliver this way (then
         keep calling ``recv()``). An exception ``receiver`` raises aborts
         the connection.
+        """
+        return False
+
+    def refuse_oversized(self, on_refused: Callable[[LimitExceededError], None]) -> bool:
+        """Skip later messages beyond the limits instead of ending the connection.
+
+        Such a message is still refused before anything is allocated for it;
+        its bytes are read and dropped, so the stream keeps its place, and
+        ``on_refused`` (called on the event loop, in order with the
+        messages delivered) gets the LimitExceededError, whose ``head`` is
+        the message's first frame when that is at most ``HEAD_MAX`` bytes
+        and within the limits (an RPC layer finds the call id there).
+        A message with more frames than ``max_frames`` still ends the
+        connection (its frame table alone could be huge).
+
+        Returns False where the transport cannot skip; then an oversized
+        message ends the connection, as without this call.
         """
         return False
 

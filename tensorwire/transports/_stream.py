@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ConnectionClosedError, TensorwireError, TransportError
+from ..errors import ConnectionClosedError, LimitExceededError, TensorwireError, TransportError
 from ._base import (
     Allocator,
     Connection,
@@ -25,7 +25,7 @@ from ._base import (
     is_device_frame,
     start_eagerly,
 )
-from ._wire import GOODBYE, FrameReader, Goodbye, pack_header
+from ._wire import GOODBYE, FrameReader, Refused, pack_header
 from .config import TransportConfig
 
 __all__ = ("StreamConnection", "outgoing")
@@ -113,6 +113,8 @@ class StreamConnection(Connection):
         self._read_ahead = self._allocator is default_allocator
         # Set by deliver_to(): messages go there instead of to recv().
         self._receiver: Callable[[list[Any]], None] | None = None
+        # Set by refuse_oversized().
+        self._on_refused: Callable[[LimitExceededError], None] | None = None
         # The rest of a message whose sender was cancelled mid-write.
         self._tail: asyncio.Task[None] | None = None
 
@@ -199,6 +201,23 @@ class StreamConnection(Connection):
         if self._error is None:
             self._kick()
         return True
+
+    def refuse_oversized(self, on_refused: Callable[[LimitExceededError], None]) -> bool:
+        self._on_refused = on_refused
+        self._reader.skip_oversized = True
+        return True
+
+    def _refused(self, error: LimitExceededError) -> None:
+        logger.info("skipped a message from %s: %s", self._peer_address, error)
+        on_refused = self._on_refused
+        assert on_refused is not None
+        try:
+            on_refused(error)
+        except Exception as exc:
+            logger.exception("refusal handler of %s failed", self._peer_address)
+            failure = TransportError(f"refusal handler failed: {exc!r}")
+            failure.__cause__ = exc
+            self._fail(failure)
 
     def _hand_over(self, receiver: Callable[[list[Any]], None], message: list[Any]) -> None:
         try:
@@ -313,7 +332,13 @@ class StreamConnection(Connection):
         while True:
             while reader.events:
                 event = reader.events.popleft()
-                if isinstance(event, Goodbye):
+                if not isinstance(event, list):
+                    if isinstance(event, Refused):
+                        self.messages_received += 1
+                        self._refused(event.error)
+                        if self._error is not None:
+                            return False
+                        continue
                     self._fail(
                         ConnectionClosedError(f"connection closed by the peer {self._peer_address}")
                     )

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ProtocolError
+from ..errors import LimitExceededError, ProtocolError
 from ._base import (
     ALIGNMENT,
     FrameInfo,
@@ -23,6 +23,7 @@ from ._base import (
     check_limits,
     default_allocator,
     host_empty,
+    refused_head,
     writable_view,
 )
 from .config import Limits
@@ -119,6 +120,15 @@ class Goodbye:
     __slots__ = ()
 
 
+class Refused:
+    """Event: a message beyond the limits was skipped (see ``skip_oversized``)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: LimitExceededError) -> None:
+        self.error = error
+
+
 class _State(enum.Enum):
     HANDSHAKE = 1
     PRELUDE = 2
@@ -126,6 +136,7 @@ class _State(enum.Enum):
     ALLOCATE = 4
     FRAMES = 5
     CLOSED = 6
+    SKIP = 7
 
 
 class FrameReader:
@@ -145,7 +156,14 @@ class FrameReader:
 
     def __init__(self, limits: Limits, *, handshake: bool = True) -> None:
         self.limits = limits
-        self.events: deque[list[Any] | Goodbye] = deque()
+        self.events: deque[list[Any] | Goodbye | Refused] = deque()
+        #: Skip a message beyond the limits (a Refused event) instead of
+        #: raising LimitExceededError, where its frame table was read.
+        self.skip_oversized = False
+        # While skipping: the refusal, its head frame being kept, and the
+        # bytes still to drop after it.
+        self._refused: LimitExceededError | None = None
+        self._skip_left = 0
         self._staging = memoryview(bytearray(STAGING_SIZE))
         self._start = 0
         self._end = 0
@@ -188,7 +206,7 @@ class FrameReader:
     @property
     def mid_message(self) -> bool:
         """True when the stream stopped inside a message (EOF here is an error)."""
-        if self._state in (_State.TABLE, _State.ALLOCATE, _State.FRAMES):
+        if self._state in (_State.TABLE, _State.ALLOCATE, _State.FRAMES, _State.SKIP):
             return True
         return self._state is _State.PRELUDE and self._end > self._start
 
@@ -283,6 +301,12 @@ class FrameReader:
         self._state = _State.PRELUDE
 
     def _target_done(self) -> None:
+        if self._state is _State.SKIP:
+            assert self._target is not None and self._refused is not None
+            self._refused.head = bytes(self._target)
+            self._target = None
+            self._skip_done()
+            return
         if self._state is _State.TABLE:
             assert self._target is not None
             table = self._target
@@ -303,7 +327,13 @@ class FrameReader:
             for index, code in enumerate(codes[:n]):
                 if code >= len(_DEVICE_NAMES):
                     raise ProtocolError(f"unknown device code {code} for frame {index}")
-        check_limits(sizes, self.limits)
+        try:
+            check_limits(sizes, self.limits)
+        except LimitExceededError as exc:
+            if not self.skip_oversized:
+                raise
+            self._skip(exc, sizes)
+            return
         all_host = codes[:n].count(0) == n
         # Known here already: whether the default allocation is one slab.
         self._announced_bytes = total = sum(sizes)
@@ -317,11 +347,40 @@ class FrameReader:
             ]
         self._state = _State.ALLOCATE
 
+    def _skip(self, error: LimitExceededError, sizes: Sequence[int]) -> None:
+        """Drop the announced message's bytes; keep its first frame if small."""
+        head = refused_head(sizes, self.limits)
+        self._refused = error
+        self._skip_left = sum(sizes) - (head or 0)
+        self._state = _State.SKIP
+        if head:
+            self._target, self._pos = memoryview(bytearray(head)), 0
+        else:
+            if head == 0:
+                error.head = b""
+            self._skip_done()
+
+    def _skip_done(self) -> None:
+        if self._skip_left:
+            return
+        error, self._refused = self._refused, None
+        assert error is not None
+        self.events.append(Refused(error))
+        self._state = _State.PRELUDE
+
     def _process(self) -> None:
         staging = self._staging
         while True:
             avail = self._end - self._start
             state = self._state
+            if state is _State.SKIP and self._target is None:
+                if not avail:
+                    return
+                take = min(avail, self._skip_left)
+                self._start += take
+                self._skip_left -= take
+                self._skip_done()
+                continue
             if self._target is not None:
                 if not avail:
                     return
@@ -358,6 +417,8 @@ class FrameReader:
                     table = staging[self._start : self._start + size]
                     self._start += size
                     self._parse_table(table, nframes)
+                    if self._state is _State.SKIP:
+                        continue
                     return
                 self._target = memoryview(bytearray(size))
                 self._pos = 0

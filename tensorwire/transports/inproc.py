@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ConfigError, ConnectionClosedError, LimitExceededError, TransportError
@@ -31,6 +31,7 @@ from ._base import (
     device_nbytes,
     host_view,
     is_device_frame,
+    refused_head,
     serve_connection,
     writable_view,
 )
@@ -110,6 +111,7 @@ class InprocConnection(Connection):
         self._peer_name = peer
         self._config = config
         self._allocator = allocator
+        self._on_refused: Callable[[LimitExceededError], None] | None = None
         self._inbox = _Inbox(config.inproc_queue)
         self._peer: InprocConnection | None = None
         self._closed = False
@@ -136,16 +138,29 @@ class InprocConnection(Connection):
         self.bytes_sent += sum(device_nbytes(f) if is_device_frame(f) else f.nbytes
                                for f in message)
 
+    def refuse_oversized(self, on_refused: Callable[[LimitExceededError], None]) -> bool:
+        self._on_refused = on_refused
+        return True
+
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
-        message = await self._inbox.get()
-        sizes = [device_nbytes(f) if is_device_frame(f) else f.nbytes for f in message]
-        self.messages_received += 1
-        self.bytes_received += sum(sizes)
-        try:
-            check_limits(sizes, self._config.limits)
-        except LimitExceededError:
-            self.abort()
-            raise
+        while True:
+            message = await self._inbox.get()
+            sizes = [device_nbytes(f) if is_device_frame(f) else f.nbytes for f in message]
+            self.messages_received += 1
+            self.bytes_received += sum(sizes)
+            try:
+                check_limits(sizes, self._config.limits)
+            except LimitExceededError as exc:
+                on_refused = self._on_refused
+                if on_refused is None or len(sizes) > self._config.limits.max_frames:
+                    self.abort()
+                    raise
+                if (refused_head(sizes, self._config.limits) is not None
+                        and not is_device_frame(message[0])):
+                    exc.head = bytes(message[0])
+                on_refused(exc)
+                continue
+            break
         allocator = allocator or self._allocator
         if allocator is None:
             return message

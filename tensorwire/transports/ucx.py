@@ -97,6 +97,7 @@ from ._base import (
     device_nbytes,
     host_view,
     is_device_frame,
+    refused_head,
     serve_connection,
     writable_view,
 )
@@ -227,7 +228,7 @@ class _Announced:
 
     __slots__ = ("infos", "inline", "nbytes")
 
-    def __init__(self, header: memoryview, limits: Limits) -> None:
+    def __init__(self, header: memoryview, limits: Limits, *, check: bool = True) -> None:
         if len(header) < _PRELUDE.size:
             raise ProtocolError("UCX message header too short")
         kind, n = _PRELUDE.unpack_from(header)
@@ -241,7 +242,8 @@ class _Announced:
         codes = header[_PRELUDE.size + 8 * n : _PRELUDE.size + 9 * n]
         if any(header[_PRELUDE.size + 9 * n : table_end]):
             raise ProtocolError("nonzero padding in frame table")
-        check_limits(sizes, limits)
+        if check:
+            check_limits(sizes, limits)
         infos: list[FrameInfo] = []
         inline: dict[int, memoryview] = {}
         offset = table_end
@@ -308,6 +310,10 @@ class UCXConnection(Connection):
         self._receiver: Callable[[list[Any]], None] | None = None
         self._pumping = False
         self._frames_bytes = 0
+        # Set by refuse_oversized(); the message being skipped, its head.
+        self._on_refused: Callable[[LimitExceededError], None] | None = None
+        self._skipping: LimitExceededError | None = None
+        self._skip_head: bytearray | None = None
         self._announced: _Announced | None = None
         # Receiving: a header or a message's frames are in flight.
         self._busy = False
@@ -553,8 +559,107 @@ class UCXConnection(Connection):
             return
         try:
             self._announced = _Announced(self._header_view, self._config.limits)
+        except LimitExceededError as exc:
+            if self._on_refused is None or not self._skip(exc):
+                self._refuse(exc)
         except TensorwireError as exc:
             self._refuse(exc)
+
+    def refuse_oversized(self, on_refused: Callable[[LimitExceededError], None]) -> bool:
+        self._on_refused = on_refused
+        return True
+
+    def _skip(self, error: LimitExceededError) -> bool:
+        """Take the refused message's frames without keeping them: UCX
+        consumes a message received into too small a buffer (it reports
+        truncation), the sender's side completes normally, and the next
+        message matches as usual. False: the message cannot be skipped."""
+        rt = self._rt
+        try:
+            announced = _Announced(self._header_view, self._config.limits, check=False)
+        except TensorwireError:
+            return False  # malformed, or too many frames
+        if rt is None:
+            return False
+        infos = announced.infos
+        keep = refused_head([info.nbytes for info in infos], self._config.limits)
+        if keep is not None:
+            inline = announced.inline.get(0)
+            if inline is not None:
+                error.head = bytes(inline)
+                keep = None
+            elif keep == 0:
+                error.head = b""
+                keep = None
+            elif infos[0].device != "cpu":
+                keep = None
+        head = bytearray(keep) if keep else None
+        self._skipping = error
+        self.bytes_received += sum(info.nbytes for info in infos)
+        left = 0
+        for info in infos:
+            if info.index in announced.inline or not info.nbytes:
+                continue
+            buffer = head if info.index == 0 and head is not None else bytearray(1)
+            array = rt.Array(buffer)
+            request = self._post_recv(rt, array, self._tag_frame_in)
+            if request is None:
+                return True  # failed the connection
+            if request.completed:
+                if not self._skipped_frame(request):
+                    return True
+            else:
+                left += 1
+                rt.watch(request, array, self._on_skipped_frame)
+        if head is not None:
+            self._skip_head = head
+        if left:
+            self._busy = True
+            self._frames_left = left
+        else:
+            self._skip_finished()
+        return True
+
+    def _skipped_frame(self, request: Any) -> bool:
+        try:
+            request.check_error()
+        except Exception as exc:
+            if ucx_error_name(exc) != "UCXMessageTruncatedError":
+                self._fail(translate(self._rt, exc, f"receive from {self._peer_address} failed"))
+                return False
+        return True
+
+    def _on_skipped_frame(self, request: Any) -> None:
+        if self._error is not None or request is None or not self._skipped_frame(request):
+            return
+        self._last_activity = self._loop.time()
+        self._frames_left -= 1
+        if self._frames_left == 0:
+            self._busy = False
+            self._skip_finished()
+            self._pump()
+
+    def _skip_finished(self) -> None:
+        error, self._skipping = self._skipping, None
+        assert error is not None
+        head, self._skip_head = self._skip_head, None
+        if head is not None:
+            error.head = bytes(head)
+        self._received += 1
+        self.messages_received += 1
+        logger.info("skipped a message from %s: %s", self._peer_address, error)
+        on_refused = self._on_refused
+        assert on_refused is not None
+        try:
+            on_refused(error)
+        except Exception as exc:
+            logger.exception("refusal handler of %s failed", self._peer_address)
+            failure = TransportError(f"refusal handler failed: {exc!r}")
+            failure.__cause__ = exc
+            self._fail(failure)
+            return
+        if self._peer_sent is not None and self._received >= self._peer_sent:
+            self._peer_done()
 
     def _refuse(self, exc: TensorwireError) -> None:
         logger.warning("dropping connection from %s: %s", self._peer_address, exc)

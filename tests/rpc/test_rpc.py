@@ -27,6 +27,7 @@ from tensorwire.errors import (
 )
 from tensorwire.rpc import ClientConfig, ServerConfig
 from tensorwire.rpc import protocol as p
+from tensorwire.transports import Limits, TransportConfig
 from tensorwire.transports import connect as transport_connect
 
 from .services import Store
@@ -599,3 +600,44 @@ async def test_deadlines_of_calls_in_flight_expire_each_in_time(url: str) -> Non
         # Deadlines of finished calls do not pile up.
         session = client._session
         assert session is not None and len(session._deadlines) <= 64 + 2
+
+
+_SMALL = TransportConfig(limits=Limits(max_message_bytes=1 << 20))
+
+
+async def test_a_request_beyond_the_server_limit_is_resource_exhausted(url: str) -> None:
+    config = ServerConfig(transport=_SMALL)
+    async with serving(url, config=config) as server, tw.connect(server.addresses[0]) as client:
+        store = client.proxy(Store)
+        await store.put("small", np.ones(1000, np.uint8))
+        peers = set(server.transport_stats())
+        with pytest.raises(ResourceExhausted, match="1048576"):
+            await store.put("big", np.ones(2 << 20, np.uint8))
+        # The same connection goes on (a reconnect would show a new peer).
+        assert await store.echo("after") == "after"
+        assert set(server.transport_stats()) == peers
+        with pytest.raises(ResourceExhausted, match="1048576"):
+            await client.call("Store.total", _items([np.ones(4, np.float32),
+                                                      np.ones(1 << 19, np.float32)]))
+        assert await store.echo("still") == "still"
+        assert set(server.transport_stats()) == peers
+    assert server.metrics()["Store.put"]["errors"] == 1
+
+
+async def test_a_reply_beyond_the_client_limit_is_resource_exhausted(url: str) -> None:
+    async with (
+        serving(url) as server,
+        tw.connect(server.addresses[0], transport=_SMALL) as client,
+    ):
+        store = client.proxy(Store)
+        await store.put("big", np.ones(2 << 20, np.uint8))
+        with pytest.raises(ResourceExhausted, match="1048576"):
+            await store.get("big")
+        assert await store.echo("after") == "after"
+        assert len(server.transport_stats()) == 1
+        assert client.transport_stats()[server.addresses[0]]["messages_received"] >= 4
+
+
+async def _items(values: list[Any]) -> AsyncIterator[Any]:
+    for value in values:
+        yield value

@@ -338,6 +338,41 @@ async def test_limits_refuse_before_allocating_and_listener_goes_on(listen_url: 
     assert "4096" in messages and "8" in messages and "10000" in messages
 
 
+async def test_refuse_oversized_skips_the_message_and_keeps_the_connection(
+    listen_url: str,
+) -> None:
+    refused: list[LimitExceededError] = []
+    limits = Limits(max_frame_bytes=4096, max_frames=8, max_message_bytes=10_000)
+
+    async def guarded(conn: Connection) -> None:
+        assert conn.refuse_oversized(refused.append)
+        await echo(conn)
+
+    config = TransportConfig(limits=limits)
+    big = pattern(1 << 20, seed=3)
+    async with (
+        serving(listen_url, guarded, config) as listener,
+        await connect(listener.address) as conn,
+    ):
+        await conn.send([b"head-a", pattern(5000)])  # a frame over the limit
+        await conn.send([b"one"])
+        await conn.send([pattern(4000, seed=1)] * 3)  # the message over the limit
+        await conn.send([pattern(5000), b"x"])  # its first frame is too big to keep
+        await conn.send([b"", big])
+        await conn.send([b"two", pattern(4000, seed=2)])
+        assert as_bytes((await asyncio.wait_for(conn.recv(), 10))[0]) == b"one"
+        frames = await asyncio.wait_for(conn.recv(), 10)
+        assert [as_bytes(f) for f in frames] == [b"two", as_bytes(pattern(4000, seed=2))]
+        # More frames than the limit: the frame table itself is not
+        # read, so this one still ends the connection.
+        await conn.send([b"x"] * 9)
+        with pytest.raises(ConnectionClosedError):
+            await asyncio.wait_for(conn.recv(), 10)
+    heads = [e.head for e in refused]
+    assert heads == [b"head-a", as_bytes(pattern(4000, seed=1)), None, b""]
+    assert "4096" in str(refused[0]) and "10000" in str(refused[1])
+
+
 async def test_connect_to_nothing_fails_clearly(listen_url: str) -> None:
     async with serving(listen_url) as listener:
         address = listener.address
