@@ -725,25 +725,26 @@ class Group:
                 sending.cancel()
 
     async def _chain_reduce(self, op: _Op, flat: Flat, a: Any, reduce: ReduceOp,
-                            source: int | None, dest: int | None, step: int) -> None:
-        """Pipelined chain reduction: segment by segment, add what ``source``
-        sends into ``a`` (through one segment of scratch) and pass the sum on
-        to ``dest``."""
+                            source: int | None, dest: int | None, step: int,
+                            lo: int, hi: int) -> None:
+        """Pipelined chain reduction of ``a[lo:hi]``: segment by segment, add
+        what ``source`` sends into ``a`` (through one segment of scratch) and
+        pass the sum on to ``dest``."""
         per = self._per_segment(flat)
-        scratch = flat.empty(min(per, flat.size)) if source is not None else None
+        scratch = flat.empty(min(per, hi - lo)) if source is not None else None
         sending: asyncio.Future[None] | None = None
         try:
-            for lo, hi in schedule.segments(0, flat.size, per):
+            for s_lo, s_hi in schedule.segments(lo, hi, per):
                 if scratch is not None and source is not None:
-                    part = scratch[: hi - lo]
+                    part = scratch[: s_hi - s_lo]
                     await self._recv(source, op, step, [flat.frame(part)])
-                    flat.reduce_into(reduce, a[lo:hi], part)
+                    flat.reduce_into(reduce, a[s_lo:s_hi], part)
                     flat.sync()
                 if dest is not None:
                     if sending is not None:
                         await sending
                     sending = asyncio.ensure_future(
-                        self._send(dest, op, step, [flat.frame(a[lo:hi])]))
+                        self._send(dest, op, step, [flat.frame(a[s_lo:s_hi])]))
             if sending is not None:
                 await sending
         finally:
@@ -751,16 +752,16 @@ class Group:
                 sending.cancel()
 
     async def _fan_chain(self, op: _Op, flat: Flat, a: Any, previous: int | None,
-                         followers: Sequence[int], step: int) -> None:
-        """Pipelined broadcast along a tree of chains: each segment arrives
-        from ``previous`` straight into ``a``, then goes on to every follower
-        while the next segment arrives."""
+                         followers: Sequence[int], step: int, lo: int, hi: int) -> None:
+        """Pipelined broadcast of ``a[lo:hi]`` along a tree of chains: each
+        segment arrives from ``previous`` straight into ``a``, then goes on
+        to every follower while the next segment arrives."""
         if previous is None and not followers:
             return
         sending: asyncio.Future[None] | None = None
         try:
-            for lo, hi in schedule.segments(0, flat.size, self._per_segment(flat)):
-                part = [flat.frame(a[lo:hi])]
+            for s_lo, s_hi in schedule.segments(lo, hi, self._per_segment(flat)):
+                part = [flat.frame(a[s_lo:s_hi])]
                 if previous is not None:
                     await self._recv(previous, op, step, part)
                 if followers:
@@ -777,22 +778,56 @@ class Group:
     async def _hierarchical_allreduce(self, op: _Op, flat: Flat, a: Any, reduce: ReduceOp,
                                       hier: hierarchy.Hierarchy) -> None:
         """Chain reduce to each host's leader, ring allreduce among the
-        leaders, chain broadcast from each leader (see :mod:`._hierarchy`)."""
+        leaders, chain broadcast from each leader (see :mod:`._hierarchy`).
+
+        The array moves in chunks of ``h`` segments (``h`` hosts: one segment
+        per ring block), and the three phases overlap chunk by chunk: while
+        the leaders' ring runs on chunk ``c``, chunk ``c + 1`` is reduced
+        inside the host and chunk ``c - 1`` broadcast. Each phase uses its
+        own connections (or its own direction of one), so every connection
+        still carries one phase's messages, in chunk order.
+        """
         plan = hierarchy.allreduce_plan(hier, self.rank)
         h = len(hier.hosts)
-        await self._chain_reduce(op, flat, a, reduce, plan.reduce_from, plan.reduce_to, 0)
-        if plan.ring:
-            bounds = schedule.split(flat.size, h)
-            if h > 1:
-                await self._ring_reduce_scatter(op, flat, a, bounds, reduce, plan.ring, 1)
-            if reduce is ReduceOp.AVG:
-                lo, hi = bounds[plan.position]
-                flat.divide(a[lo:hi], self.world_size)
-                flat.sync()
-            if h > 1:
-                await self._ring_allgather(op, flat, a, [[b] for b in bounds], h, plan.ring)
+        chunks = schedule.segments(0, flat.size, self._per_segment(flat) * h)
+        stride = 2 * h + 1  # steps per chunk: reduce, ring, broadcast
+        reduced: asyncio.Queue[None] = asyncio.Queue()
+        finished: asyncio.Queue[None] = asyncio.Queue()
         bcast = (plan.bcast_to,) if plan.bcast_to is not None else ()
-        await self._fan_chain(op, flat, a, plan.bcast_from, bcast, 2 * h)
+
+        async def reducing() -> None:
+            for c, (lo, hi) in enumerate(chunks):
+                await self._chain_reduce(op, flat, a, reduce, plan.reduce_from, plan.reduce_to,
+                                         c * stride, lo, hi)
+                reduced.put_nowait(None)
+
+        async def ringing() -> None:
+            for c, (lo, hi) in enumerate(chunks):
+                await reduced.get()
+                bounds = [(lo + b_lo, lo + b_hi) for b_lo, b_hi in schedule.split(hi - lo, h)]
+                if h > 1:
+                    await self._ring_reduce_scatter(op, flat, a, bounds, reduce, plan.ring,
+                                                    c * stride + 1)
+                if reduce is ReduceOp.AVG:
+                    b_lo, b_hi = bounds[plan.position]
+                    flat.divide(a[b_lo:b_hi], self.world_size)
+                    flat.sync()
+                if h > 1:
+                    await self._ring_allgather(op, flat, a, [[b] for b in bounds],
+                                               c * stride + h, plan.ring)
+                finished.put_nowait(None)
+
+        async def broadcasting() -> None:
+            for c, (lo, hi) in enumerate(chunks):
+                if plan.ring:
+                    await finished.get()
+                await self._fan_chain(op, flat, a, plan.bcast_from, bcast, c * stride + 2 * h,
+                                      lo, hi)
+
+        if plan.ring:
+            await _all(reducing(), ringing(), broadcasting())
+        else:
+            await _all(reducing(), broadcasting())
 
     async def _hierarchical_allgather(self, op: _Op, flat: Flat, a: Any, count: int,
                                       hier: hierarchy.Hierarchy) -> None:
@@ -813,7 +848,7 @@ class Group:
                       for ranks in plan.blocks]
             await self._ring_allgather(op, flat, a, blocks, 1, plan.ring)
         bcast = (plan.bcast_to,) if plan.bcast_to is not None else ()
-        await self._fan_chain(op, flat, a, plan.bcast_from, bcast, h)
+        await self._fan_chain(op, flat, a, plan.bcast_from, bcast, h, 0, flat.size)
 
     # -- collective operations ---------------------------------------------------
 
@@ -912,7 +947,8 @@ class Group:
             if self.world_size > 1 and flat.size > 0:
                 if hier is not None:
                     plan = hierarchy.broadcast_plan(hier, self.rank, root)
-                    await self._fan_chain(o, flat, flat.array, plan.previous, plan.followers, 0)
+                    await self._fan_chain(o, flat, flat.array, plan.previous, plan.followers, 0,
+                                          0, flat.size)
                 elif large:
                     await self._chain_broadcast(o, flat, flat.array, root)
                 else:
