@@ -380,3 +380,63 @@ async def test_reshard_refuses_a_placement_that_does_not_fit() -> None:
         with pytest.raises(InvalidArgument):
             await client.reshard([servers[0].addresses[0]], placement=client.placement)
         await client.close()
+
+
+def layers(count: int = 12) -> dict[str, np.ndarray]:
+    return {f"layer{i:02d}": np.full(64, float(i), np.float32) for i in range(count)}
+
+
+@pytest.mark.parametrize("url", URLS)
+async def test_tensors_arrive_one_by_one_in_forward_order(url: str) -> None:
+    # One message per layer, one in flight: the order on the wire is the
+    # priority order, whatever order the gradients come in.
+    config = ps.PSConfig(chunk_bytes=256, message_bytes=256, window=1)
+    async with shards(1, url) as servers:
+        (client,) = await workers(servers, 1, config=config, optimizer=ps.SGD(lr=1.0))
+        params = await client.init(layers())
+        backward = {name: np.ones_like(params[name]) for name in reversed(params)}
+        arrivals = client.push_pull_each(backward)
+        order = [name async for name, _ in arrivals]
+        assert order == list(params)
+        first = await arrivals["layer00"]
+        np.testing.assert_array_equal(first, -1.0)
+        whole = await arrivals
+        assert list(whole) == list(params)
+        np.testing.assert_array_equal(whole["layer11"], 10.0)
+        pulled = client.pull_each()
+        np.testing.assert_array_equal(await pulled["layer05"], 4.0)
+        assert set(await pulled) == set(params)
+        await client.close()
+
+
+async def test_fifo_order_computes_the_same() -> None:
+    config = ps.PSConfig(chunk_bytes=256, message_bytes=256, priority=False)
+    async with shards(2) as servers:
+        clients = await workers(servers, 2, config=config, optimizer=ps.SGD(lr=1.0))
+        await asyncio.gather(*(c.init(layers()) for c in clients))
+        backward = {name: np.ones(64, np.float32) for name in reversed(layers())}
+        got = await asyncio.gather(*(c.push_pull(backward) for c in clients))
+        for name, value in layers().items():
+            np.testing.assert_array_equal(got[0][name], value - 1.0)
+            np.testing.assert_array_equal(got[1][name], got[0][name])
+        for c in clients:
+            await c.close()
+
+
+async def test_an_error_reaches_every_tensor_of_an_arrival() -> None:
+    async with shards(1) as servers:
+        clients = await workers(servers, 2, config=ps.PSConfig(chunk_bytes=256, timeout=0.3))
+        with pytest.raises(FailedPrecondition):
+            clients[0].pull_each()
+        await asyncio.gather(*(c.init(layers(3)) for c in clients))
+        arrivals = clients[0].push_pull_each(
+            {name: np.ones(64, np.float32) for name in layers(3)})
+        with pytest.raises(DeadlineExceeded, match=r"workers \[1\]"):
+            await arrivals["layer01"]
+        with pytest.raises(DeadlineExceeded):
+            async for _ in arrivals:
+                pass
+        with pytest.raises(DeadlineExceeded):
+            await arrivals
+        for c in clients:
+            await c.close()
