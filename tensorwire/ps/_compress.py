@@ -431,9 +431,23 @@ class ErrorFeedback:
             payload = compressor.compress(grad)
         else:
             residual = self.residuals.get(key)
-            corrected = grad + residual if residual is not None else grad
+            # The residual's buffer is this object's own: reusing it for the
+            # corrected gradient and then the new residual saves two fresh
+            # chunk-sized arrays (and their page faults) per push.
+            if residual is not None and residual.shape == grad.shape \
+                    and residual.dtype == grad.dtype:
+                corrected = np.add(grad, residual, out=residual)
+            else:
+                corrected = grad + residual if residual is not None else grad
             payload = compressor.compress(corrected)
             sent = compressor.decompress(payload, corrected.size, corrected.dtype)
-            self.residuals[key] = corrected - sent
+            if corrected is grad or any(isinstance(v, np.ndarray) and
+                                        np.may_share_memory(v, corrected)
+                                        for v in payload.values()):
+                # Never write into the caller's gradient, nor into a payload
+                # that a compressor built as a view of its input.
+                self.residuals[key] = corrected - sent
+            else:
+                self.residuals[key] = np.subtract(corrected, sent, out=corrected)
         payload["codec"] = compressor.name
         return payload

@@ -288,3 +288,32 @@ def test_psconfig_takes_a_per_link_mapping() -> None:
         ps.PSConfig(compression={"rack": "fp8"})
     with pytest.raises(ConfigError, match="lz4"):
         ps.PSConfig(compression={"local": "lz4"})
+
+
+def test_error_feedback_never_writes_into_the_gradient_or_a_payload() -> None:
+    class Halving(ps.Compressor):
+        """Lossy, and its payload is a view of its input."""
+
+        name: ClassVar[str] = "test-halving-view"
+        error_feedback: ClassVar[bool] = True
+
+        def compress(self, grad: np.ndarray) -> dict[str, Any]:
+            return {"data": grad, "keep": 0.5}
+
+        @staticmethod
+        def decompress(payload: dict[str, Any], size: int, dtype: np.dtype[Any]) -> np.ndarray:
+            out: np.ndarray = np.asarray(payload["data"]) * payload["keep"]
+            return out
+
+    for compressor in (Halving(), compressor_for("int8"), compressor_for("fp8")):
+        feedback = ps.ErrorFeedback(compressor)
+        g = grad(64)
+        original = g.copy()
+        sent = []
+        for _ in range(3):
+            payload = feedback.compress("k", g)
+            sent.append(payload)
+        np.testing.assert_array_equal(g, original)
+        total = sum(type(compressor).decompress(p, 64, np.dtype(np.float32)) for p in sent)
+        np.testing.assert_allclose(total + feedback.residuals["k"], 3 * original, rtol=1e-5,
+                                   atol=1e-5)
