@@ -14,6 +14,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ..errors import (
     ConnectionClosedError,
     LimitExceededError,
@@ -37,10 +39,17 @@ BATCH = 32
 def frames_nbytes(frames: list[Any]) -> int:
     total = 0
     for frame in frames:
-        try:
-            total += memoryview(frame).nbytes
-        except TypeError:  # a device buffer
-            total += int(getattr(frame, "nbytes", 0))
+        kind = type(frame)
+        # What serde and the transports hand us, without a memoryview each.
+        if kind is bytes:
+            total += len(frame)
+        elif kind is np.ndarray or kind is memoryview:
+            total += frame.nbytes
+        else:
+            try:
+                total += memoryview(frame).nbytes
+            except TypeError:  # a device buffer
+                total += int(getattr(frame, "nbytes", 0))
     return total
 
 

@@ -181,6 +181,13 @@ class _Session:
         return self.channel is not None and not self.channel.closed
 
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
+        if type(message) is protocol.Response:
+            # The hot path: a unary call's answer.
+            pending = self.pending.get(message.call_id)
+            if pending is not None:
+                pending.metrics.bytes_in += nbytes
+                pending.deliver(message)
+            return
         if isinstance(message, protocol.Pong):
             return
         if not isinstance(

@@ -25,7 +25,7 @@ from ._base import (
     is_device_frame,
     start_eagerly,
 )
-from ._wire import GOODBYE, FrameReader, Refused, pack_header
+from ._wire import GOODBYE, FrameReader, Refused, pack_header, pack_one_frame
 from .config import TransportConfig
 
 __all__ = ("StreamConnection", "outgoing")
@@ -51,6 +51,10 @@ def outgoing(frames: Sequence[Any]) -> list[Any]:
     Host frames go as zero-copy views; a CUDA frame is first copied to host
     memory, since a socket cannot read device memory.
     """
+    if len(frames) == 1 and type(frames[0]) is bytes:
+        # A small RPC message (its header frame holds the value).
+        frame = frames[0]
+        return [pack_one_frame(len(frame)), frame]
     sizes: list[int] = []
     devices: list[str] | None = None
     views: list[Any] = []
@@ -152,22 +156,27 @@ class StreamConnection(Connection):
         self._count_out(len(messages), buffers)
         await self._send_locked(buffers)
 
-    def _count_out(self, messages: int, buffers: list[Any]) -> None:
+    def _count_out(self, messages: int, buffers: list[Any]) -> int:
+        """Count ``messages`` going out as ``buffers``; returns their bytes."""
         self.messages_sent += messages
-        self.bytes_sent += sum(map(len, buffers))
+        nbytes = 0
+        for buffer in buffers:
+            nbytes += len(buffer)  # bytes, or memoryviews cast to "B"
+        self.bytes_sent += nbytes
+        return nbytes
 
     def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
         if self.closed:
             raise self._closed_error()
         buffers = _outgoing_many(messages)
-        self._count_out(len(messages), buffers)
+        nbytes = self._count_out(len(messages), buffers)
         if not self._writes_now or self._send_lock.locked() or self._tail is not None:
             # Started now, not from a task's first step: it takes its place
             # in the send lock's queue before this returns, so a send()
             # called afterwards cannot overtake it.
             return start_eagerly(self._send_locked(buffers))
         try:
-            self._write_now(buffers)
+            self._write_now(buffers, nbytes)
         except OSError as exc:
             raise self._write_failed(exc) from exc
         if not buffers:
@@ -195,6 +204,9 @@ class StreamConnection(Connection):
 
     def deliver_to(self, receiver: Callable[[list[Any]], None]) -> bool:
         self._receiver = receiver
+        # Every message is now allocated with the connection's allocator as
+        # soon as announced: the reader may do it itself for small ones.
+        self._reader.auto_allocate = self._allocator is default_allocator
         ready = self._queue.ready
         while ready and self._error is None:
             self._hand_over(receiver, ready.popleft())
@@ -431,9 +443,10 @@ class StreamConnection(Connection):
     #: Whether the driver can write without waiting (``_write_now``).
     _writes_now = False
 
-    def _write_now(self, buffers: list[Any]) -> None:
-        """Write what the socket takes now, removing it from the front of
-        ``buffers``; raises OSError when the write fails."""
+    def _write_now(self, buffers: list[Any], nbytes: int) -> None:
+        """Write what the socket takes now of ``buffers`` (``nbytes`` in
+        all), removing it from their front; raises OSError when the write
+        fails."""
         raise NotImplementedError
 
     @abc.abstractmethod

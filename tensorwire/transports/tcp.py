@@ -143,10 +143,20 @@ class SocketConnection(StreamConnection):
 
     _writes_now = True
 
-    def _write_now(self, buffers: list[Any]) -> None:
+    def _write_now(self, buffers: list[Any], nbytes: int) -> None:
         sock = self._sock
         if sock is None:
             raise self._closed_error()
+        if len(buffers) <= _IOV_MAX:
+            try:
+                sent = sock.sendmsg(buffers)
+            except (BlockingIOError, InterruptedError):
+                return
+            if sent == nbytes:
+                # The usual case: all of it (skips _advance's walk).
+                buffers.clear()
+                return
+            buffers[:] = _advance(buffers, sent)
         while buffers:
             try:
                 sent = sock.sendmsg(buffers[:_IOV_MAX])

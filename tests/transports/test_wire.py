@@ -59,14 +59,38 @@ messages_st = st.lists(st.lists(frame_sizes, max_size=6), min_size=1, max_size=6
 
 
 @settings(max_examples=40, deadline=None)
-@given(messages_st, st.lists(st.integers(1, 200_000), min_size=1, max_size=5))
-def test_any_chunking_yields_the_messages(sizes: list[list[int]], chunks: list[int]) -> None:
+@given(messages_st, st.lists(st.integers(1, 200_000), min_size=1, max_size=5), st.booleans())
+def test_any_chunking_yields_the_messages(
+    sizes: list[list[int]], chunks: list[int], auto: bool
+) -> None:
     messages = [
         [bytes([(m + f) % 256]) * size for f, size in enumerate(frame_sizes)]
         for m, frame_sizes in enumerate(sizes)
     ]
-    events = feed(FrameReader(Limits()), stream_of(messages), chunks)
+    reader = FrameReader(Limits())
+    # With auto_allocate, small one-frame messages skip frames_announced.
+    reader.auto_allocate = auto
+    events = feed(reader, stream_of(messages), chunks)
     assert [[bytes(f) for f in e] for e in events] == messages
+    for event in events:
+        for frame in event:
+            assert frame.dtype == np.uint8 and frame.flags.writeable
+            assert frame.nbytes == 0 or frame.ctypes.data % 64 == 0
+
+
+@pytest.mark.parametrize(
+    ("limits", "size"),
+    [(Limits(max_frame_bytes=10), 11), (Limits(max_message_bytes=15), 16)],
+)
+def test_auto_allocate_still_checks_the_limits(limits: Limits, size: int) -> None:
+    reader = FrameReader(limits)
+    reader.auto_allocate = True
+    data = stream_of([[b"a" * 10], [b"b" * size]])
+    buffer = reader.get_buffer()
+    buffer[: len(data)] = data
+    with pytest.raises(LimitExceededError, match=f"of {size} bytes exceeds"):
+        reader.buffer_updated(len(data))
+    assert [bytes(f) for f in reader.events.popleft()] == [b"a" * 10]
 
 
 def test_large_frames_are_received_in_place() -> None:
