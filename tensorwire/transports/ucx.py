@@ -95,6 +95,7 @@ from ._base import (
     check_limits,
     default_allocator,
     device_nbytes,
+    host_empty,
     host_view,
     is_device_frame,
     refused_head,
@@ -124,6 +125,10 @@ _DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
 #: one UCX message instead of several costs less than the copy.
 INLINE_BYTES = 4096
 #: The control channel carries only hellos and goodbyes.
+#: The header of a message of one inline host frame, up to its bytes: the
+#: prelude (kind, reserved zeros, frame count), the size, the code byte
+#: (INLINE_FLAG) with its zero padding.
+_ONE_INLINE = struct.Struct("<BBHIQQ")
 _CONTROL_LIMITS = Limits(max_frame_bytes=64 * 1024, max_frames=4, max_message_bytes=128 * 1024)
 
 
@@ -181,6 +186,13 @@ class _Outgoing:
     __slots__ = ("frames", "header", "nbytes")
 
     def __init__(self, frames: Sequence[Any]) -> None:
+        if len(frames) == 1 and type(frames[0]) is bytes and 0 < len(frames[0]) <= INLINE_BYTES:
+            # The RPC hot path: one small host frame, inline.
+            frame = frames[0]
+            self.header = _ONE_INLINE.pack(KIND_DATA, 0, 0, 1, len(frame), INLINE_FLAG) + frame
+            self.frames = []
+            self.nbytes = len(frame)
+            return
         sizes: list[int] = []
         codes = bytearray()
         inline: list[memoryview] = []
@@ -310,6 +322,9 @@ class UCXConnection(Connection):
         self._receiver: Callable[[list[Any]], None] | None = None
         self._pumping = False
         self._frames_bytes = 0
+        # Under deliver_to with the default allocator: the largest one-frame
+        # inline message taken by the fast path (0: none).
+        self._fast_max = 0
         # Set by refuse_oversized(); the message being skipped, its head.
         self._on_refused: Callable[[LimitExceededError], None] | None = None
         self._skipping: LimitExceededError | None = None
@@ -367,6 +382,9 @@ class UCXConnection(Connection):
 
     def deliver_to(self, receiver: Callable[[list[Any]], None]) -> bool:
         self._receiver = receiver
+        if self._allocator is default_allocator:
+            limits = self._config.limits
+            self._fast_max = min(limits.max_frame_bytes, limits.max_message_bytes, INLINE_BYTES)
         ready = self._queue.ready
         while ready and self._error is None:
             self._hand_over(receiver, ready.popleft())
@@ -557,6 +575,19 @@ class UCXConnection(Connection):
             else:
                 self._fail(translate(self._rt, exc, f"receive from {self._peer_address} failed"))
             return
+        if self._fast_max:
+            # The RPC hot path (deliver_to with the default allocator): one
+            # small inline host frame, checked and copied out here.
+            header = self._header_view
+            kind, r1, r2, nframes, size, code = _ONE_INLINE.unpack_from(header)
+            if (nframes == 1 and code == INLINE_FLAG and kind == KIND_DATA and not (r1 or r2)
+                    and size <= self._fast_max):
+                frame = host_empty(size)
+                frame.data[:] = header[_ONE_INLINE.size : _ONE_INLINE.size + size]
+                self._frames = [frame]
+                self._frames_bytes = size
+                self._finish_message()
+                return
         try:
             self._announced = _Announced(self._header_view, self._config.limits)
         except LimitExceededError as exc:
