@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from ..errors import FailedPrecondition, InvalidArgument
 from ._compress import Payload, decompress
 from ._consistency import Clocks, Decision
 from ._optim import State
@@ -193,12 +193,19 @@ class ShardStore:
 
         Raises:
             InvalidArgument: an older version than the one served.
+            FailedPrecondition: another placement under the same version.
         """
         version = int(layout["version"])
         if version < self.version:
             raise InvalidArgument(f"placement version {version} is older than this "
                                   f"shard's {self.version}")
         if version == self.version:
+            if self.layout is not None and (
+                    list(layout["addresses"]) != self.layout["addresses"]
+                    or dict(layout["shard_of"]) != self.layout["shard_of"]):
+                raise FailedPrecondition(
+                    f"placement version {version} is already another placement: two "
+                    "workers changed the placement at the same time")
             return  # a retried begin
         self.version, self.index = version, index
         self.layout = {"version": version, "addresses": list(layout["addresses"]),

@@ -645,6 +645,9 @@ class PSClient:
                 self._call(source, "release", version, [c.key for c in chunks])
                 for (source, _), chunks in moves.items()))
             self._use(new_addresses, placement, version)
+            # Shards that keep checkpoints write one now, so that a restart
+            # restores the new placement rather than chunks that left.
+            await asyncio.gather(*(self._checkpoint_if_kept(a) for a in involved))
         report = {"version": version, "bytes_moved": sum(moved),
                   "parameter_bytes_moved": sum(c.nbytes for cs in moves.values() for c in cs),
                   "chunks_moved": sum(len(c) for c in moves.values()),
@@ -653,6 +656,10 @@ class PSClient:
                     version, len(new_addresses), report["chunks_moved"],
                     report["bytes_moved"], report["seconds"])
         return report
+
+    async def _checkpoint_if_kept(self, address: str) -> None:
+        with contextlib.suppress(FailedPrecondition):  # no checkpoint directory
+            await self._call(address, "checkpoint")
 
     async def _transfer(self, source: str, target: str, version: int,
                         chunks: list[Chunk]) -> int:
@@ -681,14 +688,27 @@ class PSClient:
         async with self._refreshing:
             if self.version >= version:
                 return
-            layouts = await asyncio.gather(*(self._call(a, "layout") for a in self.addresses),
-                                           return_exceptions=True)
-            found = [x for x in layouts if isinstance(x, dict)]
-            if not found:
-                errors = [x for x in layouts if isinstance(x, BaseException)]
-                raise errors[0] if errors else FailedPrecondition(
+            # The first shard that has it answers; a shard that left the
+            # placement may be gone already.
+            asks = [asyncio.ensure_future(self._call(a, "layout")) for a in self.addresses]
+            layout: dict[str, Any] | None = None
+            error: BaseException | None = None
+            try:
+                for next_done in asyncio.as_completed(asks):
+                    try:
+                        found = await next_done
+                    except (Unavailable, FailedPrecondition) as exc:
+                        error = exc
+                        continue
+                    if isinstance(found, dict) and int(found["version"]) >= version:
+                        layout = found
+                        break
+            finally:
+                for ask in asks:
+                    ask.cancel()
+            if layout is None:
+                raise error or FailedPrecondition(
                     f"a shard redirected to placement version {version}, but none has it")
-            layout = max(found, key=lambda x: int(x["version"]))
             addresses = [str(a) for a in layout["addresses"]]
             shard_of = {str(k): int(v) for k, v in dict(layout["shard_of"]).items()}
             if set(shard_of) != {c.key for c in self._chunks}:
@@ -952,6 +972,12 @@ class PSClient:
                 if self._closed or loop.time() + pause > give_up:
                     raise
                 logger.warning("shard %s unavailable (%s); retrying", address, exc)
+                if "version" in kwargs:
+                    # A shard that left the placement may have been stopped:
+                    # the others know where its chunks went.
+                    newer = await self._newest_version(address)
+                    if newer > kwargs["version"]:
+                        raise _Moved(newer) from None
             else:
                 if isinstance(result, dict) and LATE in result:
                     raise DeadlineExceeded(f"shard {address}: {result[LATE]}")
@@ -969,6 +995,18 @@ class PSClient:
                     await self._resend(client, keys, args[1], timeout, kwargs)
                 except Unavailable:
                     continue
+
+    async def _newest_version(self, unreachable: str) -> int:
+        """The latest placement version the other shards of the placement
+        serve, asked briefly (0 when none answers)."""
+        others = [a for a in self.addresses if a != unreachable]
+
+        async def ask(address: str) -> int:
+            info = await self._link(address).client.call(_SHARD + "hello", timeout=2.0)
+            return int(info["version"])
+
+        answers = await asyncio.gather(*(ask(a) for a in others), return_exceptions=True)
+        return max((a for a in answers if isinstance(a, int)), default=0)
 
     async def _resend(self, client: rpc.Client, keys: Sequence[str], clock: int,
                       timeout: float, kwargs: dict[str, Any]) -> None:

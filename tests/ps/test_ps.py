@@ -473,3 +473,40 @@ async def test_compression_follows_each_shards_link_and_residuals_follow_chunks(
             np.testing.assert_allclose(params[name], value - grads[0][name] - grads[1][name],
                                        rtol=1e-5, atol=1e-5)
         await client.close()
+
+
+async def test_a_worker_follows_even_when_the_shard_it_knew_was_stopped() -> None:
+    config = ps.PSConfig(chunk_bytes=256, retry_timeout=20)
+    async with shards(3) as servers:
+        addresses = [s.addresses[0] for s in servers]
+        leader, other = await workers(servers, 2, config=config)
+        await asyncio.gather(leader.init(model()), other.init(model()))
+        await asyncio.gather(leader.push_pull(ones(1.0)), other.push_pull(ones(2.0)))
+        # Shard 0 leaves and is stopped before the other worker calls again.
+        await leader.reshard(addresses[1:])
+        await servers[0].close(checkpoint=False)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        got = await asyncio.gather(leader.push_pull(ones(1.0)), other.push_pull(ones(2.0)))
+        assert other.addresses == addresses[1:]
+        assert loop.time() - started < 10  # well inside retry_timeout
+        np.testing.assert_array_equal(got[0]["w"], got[1]["w"])
+        np.testing.assert_allclose(got[0]["w"], model()["w"] - 2 * 0.5 * 1.5)
+        for client in (leader, other):
+            await client.close()
+
+
+async def test_two_placements_under_one_version_are_refused() -> None:
+    async with shards(2) as servers:
+        (client,) = await workers(servers, 1)
+        await client.init(model())
+        job = client.job.to_wire()
+        layout = {"version": 1, "addresses": ["x", "y"], "step": 0,
+                  "shard_of": dict(client.placement.shard_of)}
+        async with tw.connect(servers[0].addresses[0], timeout=10) as probe:
+            assert await probe.call("tensorwire.ps.Shard.begin", job, layout, 0) == 1
+            assert await probe.call("tensorwire.ps.Shard.begin", job, layout, 0) == 1
+            other = dict(layout, addresses=["y", "x"])
+            with pytest.raises(FailedPrecondition, match="at the same time"):
+                await probe.call("tensorwire.ps.Shard.begin", job, other, 0)
+        await client.close()
