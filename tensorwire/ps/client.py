@@ -558,6 +558,8 @@ class PSClient:
             return {name: arrivals[name].result() for name in self._specs}
 
         arrivals.task = asyncio.get_running_loop().create_task(run())
+        # Whoever reads only some tensors saw the error there already.
+        arrivals.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return arrivals
 
     async def checkpoint(self) -> list[str]:
