@@ -224,3 +224,17 @@ async def test_sync_training_goes_on_across_adding_and_removing_a_shard(
     assert 3 * added["parameter_bytes_moved"] <= added["bytes_moved"]
     assert added["version"] == 1 and removed["version"] == 2
     assert 0 < removed["parameter_bytes_moved"] < 0.6 * total
+
+
+@pytest.mark.parametrize("consistency", ["ssp", "async"])
+async def test_stale_modes_lose_and_double_nothing_across_placement_changes(
+        pool: concurrent.futures.Executor, consistency: str) -> None:
+    steps = 12
+    async with shards("tcp://127.0.0.1:0", 3) as (first, second, third):
+        moves = {3: [first, second, third], 7: [third, first]}
+        counts = await run_workers(pool, w.count_moving, *(
+            ([first, second], rank, WORKERS, steps, consistency, 1 if consistency == "ssp" else 0,
+             moves if rank == 0 else {}) for rank in range(WORKERS)))
+    for result in counts:
+        # Every counter of every tensor took each worker's push exactly once.
+        assert result == [float(steps)] * (2 * WORKERS), result

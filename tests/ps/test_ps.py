@@ -510,3 +510,24 @@ async def test_two_placements_under_one_version_are_refused() -> None:
             with pytest.raises(FailedPrecondition, match="at the same time"):
                 await probe.call("tensorwire.ps.Shard.begin", job, other, 0)
         await client.close()
+
+
+async def test_a_worker_that_starts_after_a_change_finds_the_new_placement() -> None:
+    async with shards(3) as servers:
+        addresses = [s.addresses[0] for s in servers]
+        (leader,) = await workers(servers[:2], 1, optimizer=ps.Adam(lr=0.1))
+        await leader.init(model())
+        before = await leader.push_pull(ones(1.0))
+        await leader.reshard(addresses[1:])
+        await leader.close()
+        # A restarted worker knows only the addresses it was started with.
+        (again,) = await workers(servers[:2], 1, optimizer=ps.Adam(lr=0.1))
+        params = await again.init(model())
+        assert again.version == 1 and again.addresses == addresses[1:]
+        for name, value in before.items():
+            np.testing.assert_array_equal(params[name], value)  # not worker 0's initial values
+        # Its clock starts at 0 again: that push is step 0's, which the moved
+        # chunks remember taking from worker 0, so it changes nothing.
+        after = await again.push_pull(ones(5.0))
+        np.testing.assert_array_equal(after["w"], before["w"])
+        await again.close()

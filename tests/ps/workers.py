@@ -163,3 +163,36 @@ def train_moving(addresses: list[str], worker: int, workers: int, steps: int,
                     "version": client.version, "addresses": client.addresses}
 
     return asyncio.run(main())
+
+
+def count_moving(addresses: list[str], worker: int, workers: int, steps: int,
+                 consistency: str, staleness: int, moves: dict[int, list[str]]) -> list[float]:
+    """Each push adds 1 to this worker's slot of six counter tensors; worker 0
+    changes the placement to ``moves[step]``'s shards before those steps.
+    Returns the counters' final values (lowest over the tensors) per worker."""
+
+    async def main() -> list[float]:
+        client = await ps.connect(
+            addresses, worker=worker, num_workers=workers, consistency=consistency,  # type: ignore[arg-type]
+            staleness=staleness, optimizer=ps.SGD(lr=float(workers)),
+            config=ps.PSConfig(timeout=30))
+        async with client:
+            names = [f"c{i}" for i in range(6)]
+            await client.init({name: np.zeros(workers, np.float64) for name in names})
+            grad = np.zeros(workers, np.float64)
+            grad[worker] = -1.0  # SGD: c -= lr * grad / workers, so c[worker] += 1
+            for step in range(steps):
+                if worker == 0 and step in moves:
+                    await client.reshard(moves[step])
+                await client.push_pull({name: grad for name in names})
+            # Every worker's pushes are in once all have finished: pull until so.
+            for _ in range(200):
+                params = await client.pull()
+                low = np.min([params[name] for name in names], axis=0)
+                if low.sum() >= workers * steps:
+                    break
+                await asyncio.sleep(0.05)
+            high = np.max([params[name] for name in names], axis=0)
+            return [*low.tolist(), *high.tolist()]
+
+    return asyncio.run(main())
