@@ -933,10 +933,9 @@ class PSClient:
             args = (self.worker, clock, batch.keys, items, seen, wait)
             for key, item in zip(batch.keys, items, strict=True):
                 self._pushed[key] = (clock, item)
-        metrics = self._metrics[method]
         async with link.window.slot((clock,) if fifo else (clock, batch.rank)):
             if method in ("push", "push_pull"):
-                metrics.bytes_out += nbytes(args[3])
+                self._metrics[method].bytes_out += nbytes(args[3])
             with link.timing():
                 try:
                     result = await self._call(address, method, *args, version=version,
@@ -944,7 +943,7 @@ class PSClient:
                 except _Moved as moved:
                     return batch, moved
         if method in ("pull", "push_pull"):
-            metrics.bytes_in += nbytes(result)
+            self._metrics[method].bytes_in += nbytes(result)
             read_at = clock if method == "pull" else clock + 1
             for key in batch.keys:
                 self._seen[key] = max(self._seen.get(key, 0), read_at)
