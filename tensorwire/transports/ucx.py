@@ -21,8 +21,9 @@ Tags
     unique in its own worker and tells the peer in its hello; everything the
     peer sends us carries ``id << 32 | kind`` (kind 0: message header, 1:
     frame data). UCX matches messages from one endpoint with one tag in the
-    order they were sent, and a message's sends are posted under the send
-    lock, so no sequence numbers are needed.
+    order they were sent, and a message's sends are all posted in one
+    synchronous pass (no await in between), so no sequence numbers are
+    needed.
 
 Framing
     A message is one header message: the prelude and frame table of
