@@ -21,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import struct
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Literal
@@ -780,8 +782,9 @@ class Group:
         """Chain reduce to each host's leader, ring allreduce among the
         leaders, chain broadcast from each leader (see :mod:`._hierarchy`).
 
-        The array moves in chunks of ``h`` segments (``h`` hosts: one segment
-        per ring block), and the three phases overlap chunk by chunk: while
+        The array moves in chunks of at most ``h`` segments (``h`` hosts: a
+        segment per ring block; a quarter of the array when that is less),
+        and the three phases overlap chunk by chunk: while
         the leaders' ring runs on chunk ``c``, chunk ``c + 1`` is reduced
         inside the host and chunk ``c - 1`` broadcast. Each phase uses its
         own connections (or its own direction of one), so every connection
@@ -789,7 +792,10 @@ class Group:
         """
         plan = hierarchy.allreduce_plan(hier, self.rank)
         h = len(hier.hosts)
-        chunks = schedule.segments(0, flat.size, self._per_segment(flat) * h)
+        # At least four chunks where the segments allow, so that the phases
+        # overlap for mid-sized messages too.
+        per_chunk = min(self._per_segment(flat) * h, max(-(-flat.size // 4), 1024 * h))
+        chunks = schedule.segments(0, flat.size, per_chunk)
         stride = 2 * h + 1  # steps per chunk: reduce, ring, broadcast
         reduced: asyncio.Queue[None] = asyncio.Queue()
         finished: asyncio.Queue[None] = asyncio.Queue()
@@ -873,25 +879,126 @@ class Group:
         hier = self._hierarchical(flat.nbytes, algorithm)
 
         async def body(o: _Op) -> Any:
-            n, a = self.world_size, flat.array
-            if n == 1 or flat.size == 0:
-                return flat.result()
-            if hier is not None:
-                await self._hierarchical_allreduce(o, flat, a, reduce, hier)
-            elif large and flat.size >= n:
-                bounds = schedule.split(flat.size, n)
-                await self._ring_reduce_scatter(o, flat, a, bounds, reduce)
-                if reduce is ReduceOp.AVG:
-                    lo, hi = bounds[self.rank]
-                    flat.divide(a[lo:hi], n)
-                    flat.sync()
-                await self._ring_allgather(o, flat, a, [[b] for b in bounds], n)
-            else:
-                await self._doubling_allreduce(o, flat, a, reduce)
+            await self._allreduce_flat(o, flat, reduce, large, hier)
             return flat.result()
 
         return self._submit(f"allreduce({flat.describe()},{reduce.value}{_mark(hier)})",
                             body, timeout)
+
+    async def _allreduce_flat(self, o: _Op, flat: Flat, reduce: ReduceOp, large: bool,
+                              hier: hierarchy.Hierarchy | None) -> None:
+        n, a = self.world_size, flat.array
+        if n == 1 or flat.size == 0:
+            return
+        if hier is not None:
+            await self._hierarchical_allreduce(o, flat, a, reduce, hier)
+        elif large and flat.size >= n:
+            bounds = schedule.split(flat.size, n)
+            await self._ring_reduce_scatter(o, flat, a, bounds, reduce)
+            if reduce is ReduceOp.AVG:
+                lo, hi = bounds[self.rank]
+                flat.divide(a[lo:hi], n)
+                flat.sync()
+            await self._ring_allgather(o, flat, a, [[b] for b in bounds], n)
+        else:
+            await self._doubling_allreduce(o, flat, a, reduce)
+
+    def allreduce_many(
+        self, tensors: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM, *,
+        priorities: Sequence[float] | None = None, bucket_bytes: int = 4 << 20,
+        algorithm: Algorithm = "auto", timeout: float | None = None,
+    ) -> list[asyncio.Future[Any]]:
+        """Allreduce many arrays (a model's gradients), most urgent first.
+
+        The arrays are taken in order of ``priorities`` (lower is more
+        urgent; default: their order in the list, ties too), and consecutive
+        ones of one dtype and device are fused into buckets of at most
+        ``bucket_bytes``: a bucket is one operation on a scratch array the
+        arrays are copied into and back out of (an array of
+        ``bucket_bytes`` or more is a bucket of its own and is reduced in
+        place, with no copy). The buckets queue in priority order, so with
+        gradients listed as the backward pass produces them (last layer
+        first) and ``priorities`` the order in which the next forward pass
+        needs them, the first layer's gradient is back after one bucket
+        rather than after all of them (ByteScheduler: Peng et al., SOSP 2019).
+
+        The order is a pure function of the call, so every rank must pass
+        the same shapes, dtypes and priorities (else ``MismatchError``).
+
+        Returns:
+            One future per array, in the order given: it resolves to the
+            array (reduced in place) as soon as its bucket is done.
+
+        Raises:
+            InvalidArgument: an array is not contiguous and writable, or the
+                priorities do not match the arrays.
+        """
+        flats = [flatten(t, name=f"tensors[{i}]") for i, t in enumerate(tensors)]
+        reduces = [_check_op(op, f) for f in flats]
+        reduce = reduces[0] if reduces else ReduceOp(op)
+        ranks = list(range(len(flats))) if priorities is None else list(priorities)
+        if len(ranks) != len(flats):
+            raise InvalidArgument(f"{len(ranks)} priorities for {len(flats)} tensors")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise InvalidArgument(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self._large(0, algorithm, hierarchical=True)  # validates the name
+        order = sorted(range(len(flats)), key=lambda i: (ranks[i], i))
+        buckets: list[list[int]] = []
+        size = 0
+        for i in order:
+            f = flats[i]
+            key = (f.dtype.str, f.device, type(f.array))
+            last = buckets[-1] if buckets else None
+            if (last is None or f.nbytes >= bucket_bytes or size + f.nbytes > bucket_bytes
+                    or flats[last[0]].nbytes >= bucket_bytes
+                    or (flats[last[0]].dtype.str, flats[last[0]].device,
+                        type(flats[last[0]].array)) != key):
+                buckets.append([i])
+                size = f.nbytes
+            else:
+                last.append(i)
+                size += f.nbytes
+        loop = asyncio.get_running_loop()
+        out: list[asyncio.Future[Any]] = [loop.create_future() for _ in flats]
+        for bucket in buckets:
+            if len(bucket) == 1:
+                (i,) = bucket
+                done = self.allreduce(tensors[i], op, algorithm=algorithm, timeout=timeout)
+            else:
+                done = self._fused_allreduce([flats[i] for i in bucket], reduce, algorithm,
+                                             timeout)
+            done.add_done_callback(functools.partial(_settle_many, [out[i] for i in bucket],
+                                                     [flats[i].result() for i in bucket]))
+        return out
+
+    def _fused_allreduce(self, parts: list[Flat], reduce: ReduceOp, algorithm: Algorithm,
+                         timeout: float | None) -> asyncio.Future[Any]:
+        """One allreduce of ``parts`` copied into one scratch array, and back."""
+        first = parts[0]
+        total = sum(p.size for p in parts)
+        large = self._large(total * first.itemsize, algorithm, hierarchical=True)
+        hier = self._hierarchical(total * first.itemsize, algorithm)
+
+        async def body(o: _Op) -> None:
+            buffer = first.empty(total)
+            offset = 0
+            for p in parts:
+                buffer[offset:offset + p.size] = p.array
+                offset += p.size
+            fused = Flat(buffer, first.xp, buffer, (total,), "C", first.device)
+            fused.sync()
+            await self._allreduce_flat(o, fused, reduce, large, hier)
+            offset = 0
+            for p in parts:
+                p.array[...] = buffer[offset:offset + p.size]
+                offset += p.size
+            fused.sync()
+
+        sizes = ",".join(str(p.size) for p in parts)
+        if len(parts) > 8:  # keep the header short; still tells other splits apart
+            sizes = f"{len(parts)}x{total}#{zlib.crc32(sizes.encode()):08x}"
+        return self._submit(f"allreduce_bucket({first.dtype.str}[{sizes}]@{first.device},"
+                            f"{reduce.value}{_mark(hier)})", body, timeout)
 
     def reduce(self, x: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM, *,
                algorithm: Algorithm = "auto", timeout: float | None = None) -> asyncio.Future[Any]:
@@ -1310,6 +1417,21 @@ def _mark(hier: hierarchy.Hierarchy | None) -> str:
     """What a hierarchical call adds to its description, so that ranks that
     chose differently are told apart by the first message."""
     return "" if hier is None else ",hierarchical"
+
+
+def _settle_many(futures: Sequence[asyncio.Future[Any]], results: Sequence[Any],
+                 done: asyncio.Future[Any]) -> None:
+    """Pass a bucket's outcome on to the futures of its arrays."""
+    error = None if done.cancelled() else done.exception()
+    for future, result in zip(futures, results, strict=True):
+        if future.done():
+            continue
+        if done.cancelled():
+            future.cancel()
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
