@@ -9,7 +9,12 @@ UCX reads its settings once per process, so each variant gets fresh ones):
   ``listen``/``connect`` echoing the frames, no RPC; uvloop),
 - grpc.aio unary-unary over TCP with a generic handler on bytes and identity
   serializers (the tensor travels as ``arr.tobytes()``, is rebuilt with
-  ``np.frombuffer``; asyncio's default loop, as grpc.aio ships).
+  ``np.frombuffer``; asyncio's default loop, as grpc.aio ships),
+- the floor of any asyncio RPC on this host, tiny calls only: a bare
+  ``asyncio.Protocol`` on each side exchanging fixed 16-byte records (call
+  id, value), each call a future that the client's ``data_received``
+  resolves, the server echoing every whole record it has in one write (no
+  encoding, deadlines, metrics or dispatch; uvloop).
 
 Measurements: a tiny call's latency (p50/p99, one call in flight) and calls
 per second with 1 and 64 calls in flight; echo bandwidth of a float32 tensor
@@ -77,7 +82,7 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    kind: str  # "rpc", "raw" or "grpc"
+    kind: str  # "rpc", "raw", "grpc" or "floor"
     url: str  # the server's listen URL ("" for gRPC)
 
     @property
@@ -92,7 +97,10 @@ VARIANTS = [
     Variant("raw transport tcp://", "raw", "tcp://127.0.0.1:0"),
     Variant("raw transport ucx://", "raw", "ucx://127.0.0.1:0"),
     Variant("grpc.aio", "grpc", ""),
+    Variant("asyncio Protocol floor", "floor", ""),
 ]
+#: The floor variant's record: call id, value.
+FLOOR_RECORD = struct.Struct("<QQ")
 
 
 # --- shared pieces -----------------------------------------------------------
@@ -167,7 +175,8 @@ def placement(pin: bool) -> tuple[int | None, int | None]:
 def server_main(ready: Any, stop: Any, variant: Variant, profile: str | None,
                 cpu: int | None = None) -> None:
     _pin(cpu)
-    serve = {"rpc": _rpc_server, "raw": _raw_server, "grpc": _grpc_server}[variant.kind]
+    serve = {"rpc": _rpc_server, "raw": _raw_server, "grpc": _grpc_server,
+             "floor": _floor_server}[variant.kind]
     with _Profile(profile):
         _run_loop(variant.kind, lambda: serve(ready, stop, variant))
 
@@ -221,6 +230,28 @@ async def _grpc_server(ready: Any, stop: Any, variant: Variant) -> None:
     ready.put(f"127.0.0.1:{port}")
     await _wait_stop(stop)
     await server.stop(1.0)
+
+
+class _FloorEcho(asyncio.Protocol):
+    """Echoes every whole record it has, in one write."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.rest = b""
+
+    def data_received(self, data: bytes) -> None:
+        data = self.rest + data
+        whole = len(data) - len(data) % FLOOR_RECORD.size
+        if whole:
+            self.transport.write(data[:whole])  # type: ignore[attr-defined]
+        self.rest = data[whole:]
+
+
+async def _floor_server(ready: Any, stop: Any, variant: Variant) -> None:
+    server = await asyncio.get_running_loop().create_server(_FloorEcho, "127.0.0.1", 0)
+    ready.put(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    await _wait_stop(stop)
+    server.close()
 
 
 # --- clients -----------------------------------------------------------------
@@ -284,6 +315,51 @@ class _RawCaller(_Caller):
 
     async def close(self) -> None:
         await self.conn.close()
+
+
+class _FloorProtocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.pending: dict[int, asyncio.Future[int]] = {}
+        self.rest = b""
+        self.ids = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        data = self.rest + data
+        whole = len(data) - len(data) % FLOOR_RECORD.size
+        pending = self.pending
+        for offset in range(0, whole, FLOOR_RECORD.size):
+            call_id, value = FLOOR_RECORD.unpack_from(data, offset)
+            pending.pop(call_id).set_result(value)
+        self.rest = data[whole:]
+
+
+class _FloorCaller(_Caller):
+    async def open(self, address: str) -> _FloorCaller:
+        host, port = address.rsplit(":", 1)
+        loop = asyncio.get_running_loop()
+        transport, protocol = await loop.create_connection(_FloorProtocol, host, int(port))
+        self.transport = transport
+
+        async def tiny() -> Any:
+            protocol.ids += 1
+            call_id = protocol.ids
+            future = loop.create_future()
+            protocol.pending[call_id] = future
+            transport.write(FLOOR_RECORD.pack(call_id, TINY))
+            return await future
+
+        async def tensor(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+            raise NotImplementedError("the floor variant echoes tiny records only")
+
+        self.tiny = tiny
+        self.tensor = tensor
+        return self
+
+    async def close(self) -> None:
+        self.transport.close()
 
 
 class _GRPCCaller(_Caller):
@@ -368,6 +444,8 @@ async def _measure(caller: _Caller, variant: Variant, plan: Plan,
         await section("64 in flight", cps64)
 
     bandwidth: dict[int, float] = {}
+    if variant.kind == "floor":
+        return out
     for size, reps in zip(plan.sizes, plan.reps, strict=True):
         async def echo(size: int = size, reps: int = reps) -> None:
             arr = np.arange(size // 4, dtype=np.float32)
@@ -391,7 +469,8 @@ async def _measure(caller: _Caller, variant: Variant, plan: Plan,
 def client_main(done: Any, address: str, variant: Variant, plan: Plan,
                 profile: str | None, only_cps64: bool, cpu: int | None = None) -> None:
     _pin(cpu)
-    cls = {"rpc": _RPCCaller, "raw": _RawCaller, "grpc": _GRPCCaller}[variant.kind]
+    cls = {"rpc": _RPCCaller, "raw": _RawCaller, "grpc": _GRPCCaller,
+           "floor": _FloorCaller}[variant.kind]
 
     async def main() -> dict[str, Any]:
         caller = await cls().open(address)
@@ -584,9 +663,11 @@ def targets(rows: dict[str, dict[str, Any] | str], sizes: tuple[int, ...]) -> li
                    f"RPC {_us(rpc_p50)} µs vs raw {_us(raw_p50)} µs{ratio}")
     cps = _get(rows, "tensorwire RPC tcp://", "cps64")
     grpc_cps = _get(rows, "grpc.aio", "cps64")
+    floor_cps = _get(rows, "asyncio Protocol floor", "cps64")
     out.append(f"- ≥ 50,000 tiny calls/s with 64 in flight on one tcp:// connection: "
                f"{verdict(None if cps is None else cps >= 50_000)} — {_rate(cps)} calls/s "
-               f"(grpc.aio {_rate(grpc_cps)} calls/s)")
+               f"(grpc.aio {_rate(grpc_cps)} calls/s; the bare asyncio Protocol floor "
+               f"{_rate(floor_cps)} calls/s)")
     for scheme in ("tcp", "ucx"):
         for size in sizes:
             rpc_bw = _get(rows, f"tensorwire RPC {scheme}://", "bw", size)
@@ -649,6 +730,8 @@ def write_results(path: Path, plan: Plan, rows: dict[str, dict[str, Any] | str],
             "| variant | " + " | ".join(f"{s // MiB} MiB" for s in plan.sizes) + " |",
             "|---|" + "---:|" * len(plan.sizes)]
     for name in names:
+        if next(v for v in VARIANTS if v.name == name).kind == "floor":
+            continue  # tiny records only
         cells = [cell(name, _gbps(_get(rows, name, "bw", s))) for s in plan.sizes]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     rounds = max((len(r) for r in (runs or {}).values()), default=1)
