@@ -57,9 +57,8 @@ DEMO_CHUNK_BYTES = 2048
 def codec_throughput(reps: int) -> list[dict[str, Any]]:
     from tensorwire import ps
 
-    # compressor_for / decompress and the FP8 classes are not re-exported by
-    # tensorwire.ps (yet): the names a user passes go through compressor_for.
-    from tensorwire.ps._compress import compressor_for, decompress
+    # decompress is the shard's side, not part of the public API.
+    from tensorwire.ps._compress import decompress
 
     rng = np.random.default_rng(0)
     grad = rng.standard_normal(TENSOR // 4).astype(np.float32)
@@ -68,7 +67,7 @@ def codec_throughput(reps: int) -> list[dict[str, Any]]:
     heavy = rng.standard_t(2, TENSOR // 4).astype(np.float32)
     rows = []
     for name in COMPRESSORS:
-        compressor = compressor_for(name)
+        compressor = ps.compressor_for(name)
         payload = compressor.compress(grad)
         payload["codec"] = compressor.name
         sent = sum(v.nbytes for v in payload.values() if isinstance(v, np.ndarray))

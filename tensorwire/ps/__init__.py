@@ -17,12 +17,16 @@ See docs/ps.md for the guarantees.
 
 from ._compress import (
     BF16,
+    FP8E4M3,
+    FP8E5M2,
     FP16,
+    CompressionSpec,
     Compressor,
     ErrorFeedback,
     Int8,
     NoCompression,
     TopK,
+    compressor_for,
     register_compressor,
 )
 from ._optim import SGD, Adagrad, Adam, Aggregate, Optimizer
@@ -44,6 +48,8 @@ from .sync import SyncClient
 
 __all__ = (
     "BF16",
+    "FP8E4M3",
+    "FP8E5M2",
     "FP16",
     "SGD",
     "Adagrad",
@@ -51,6 +57,7 @@ __all__ = (
     "Aggregate",
     "Arrivals",
     "Chunk",
+    "CompressionSpec",
     "Compressor",
     "ErrorFeedback",
     "Int8",
@@ -68,6 +75,7 @@ __all__ = (
     "TopK",
     "balance",
     "chunk_tensors",
+    "compressor_for",
     "connect",
     "place",
     "predicted_times",

@@ -33,7 +33,7 @@ from ..errors import (
     InvalidArgument,
     Unavailable,
 )
-from ._compress import Compressor, ErrorFeedback, Payload, compressor_for
+from ._compress import CompressionSpec, ErrorFeedback, Payload, compressor_for
 from ._consistency import Mode
 from ._optim import Optimizer
 from ._placement import (
@@ -68,7 +68,7 @@ async def connect(
     optimizer: Optimizer,
     consistency: Mode = "sync",
     staleness: int = 0,
-    compression: str | Compressor | None = None,
+    compression: CompressionSpec = None,
     config: PSConfig | None = None,
 ) -> PSClient:
     """Connect worker ``worker`` of ``num_workers`` to the shards at ``addresses``.

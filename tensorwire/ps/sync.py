@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..rpc._background import BackgroundLoop
-from ._compress import Compressor
+from ._compress import CompressionSpec
 from ._consistency import Mode
 from ._optim import Optimizer
 from .client import PSClient, connect
@@ -52,7 +52,7 @@ class SyncClient:
         optimizer: Optimizer,
         consistency: Mode = "sync",
         staleness: int = 0,
-        compression: str | Compressor | None = None,
+        compression: CompressionSpec = None,
         config: PSConfig | None = None,
     ) -> None:
         self._background = BackgroundLoop(f"tensorwire-ps worker {worker}")
