@@ -67,3 +67,40 @@ async def test_cancelling_the_task_reaches_the_coroutine() -> None:
     with pytest.raises(asyncio.CancelledError):
         await future
     assert cleaned == [True]
+
+
+async def test_a_cancel_before_the_first_step_reaches_the_coroutine() -> None:
+    # The task has not run yet when its future is cancelled: the coroutine,
+    # already waiting in a lock's queue, must still leave that queue, or the
+    # lock is stuck for everyone after it.
+    lock = asyncio.Lock()
+    cleaned: list[bool] = []
+
+    async def queued() -> None:
+        try:
+            async with lock:
+                pass
+        finally:
+            cleaned.append(True)
+
+    await lock.acquire()
+    future = start_eagerly(queued())
+    assert future is not None
+    future.cancel()
+    lock.release()
+    with pytest.raises(asyncio.CancelledError):
+        await future
+    assert cleaned == [True]
+    await asyncio.wait_for(lock.acquire(), 1)
+
+
+async def test_the_returned_future_can_be_awaited_like_the_coroutine() -> None:
+    gate = asyncio.get_running_loop().create_future()
+
+    async def two_steps() -> str:
+        return str(await gate)
+
+    future = start_eagerly(two_steps())  # type: ignore[arg-type]
+    assert future is not None
+    gate.set_result(7)
+    assert await future == "7"
