@@ -191,6 +191,21 @@ def check_limits(sizes: Sequence[int], limits: Limits) -> None:
         )
 
 
+def call_consumer(callback: Callable[[Any], None], arg: Any, what: str,
+                  peer: str) -> TransportError | None:
+    """Call a consumer's ``callback`` (a message receiver, a refusal
+    handler) with ``arg``. What it raises is logged and returned as the
+    error that ends the connection (``what`` names the callback)."""
+    try:
+        callback(arg)
+    except Exception as exc:
+        logger.exception("%s of %s failed", what, peer)
+        error = TransportError(f"{what} failed: {exc!r}")
+        error.__cause__ = exc
+        return error
+    return None
+
+
 def start_eagerly(coro: Coroutine[Any, None, None]) -> asyncio.Future[None] | None:
     """Run ``coro`` now up to its first suspension; None if it finished.
 

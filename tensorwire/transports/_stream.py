@@ -19,6 +19,7 @@ from ._base import (
     Allocator,
     Connection,
     RecvQueue,
+    call_consumer,
     default_allocator,
     device_nbytes,
     host_view,
@@ -221,23 +222,14 @@ class StreamConnection(Connection):
 
     def _refused(self, error: LimitExceededError) -> None:
         logger.info("skipped a message from %s: %s", self._peer_address, error)
-        on_refused = self._on_refused
-        assert on_refused is not None
-        try:
-            on_refused(error)
-        except Exception as exc:
-            logger.exception("refusal handler of %s failed", self._peer_address)
-            failure = TransportError(f"refusal handler failed: {exc!r}")
-            failure.__cause__ = exc
+        assert self._on_refused is not None
+        failure = call_consumer(self._on_refused, error, "refusal handler", self._peer_address)
+        if failure is not None:
             self._fail(failure)
 
     def _hand_over(self, receiver: Callable[[list[Any]], None], message: list[Any]) -> None:
-        try:
-            receiver(message)
-        except Exception as exc:
-            logger.exception("receiver of %s failed", self._peer_address)
-            error = TransportError(f"message receiver failed: {exc!r}")
-            error.__cause__ = exc
+        error = call_consumer(receiver, message, "message receiver", self._peer_address)
+        if error is not None:
             self._fail(error)
 
     def _note_progress(self, nbytes: int) -> None:

@@ -92,6 +92,7 @@ from ._base import (
     FrameInfo,
     Listener,
     RecvQueue,
+    call_consumer,
     check_frame_count,
     check_limits,
     default_allocator,
@@ -680,14 +681,9 @@ class UCXConnection(Connection):
         self._received += 1
         self.messages_received += 1
         logger.info("skipped a message from %s: %s", self._peer_address, error)
-        on_refused = self._on_refused
-        assert on_refused is not None
-        try:
-            on_refused(error)
-        except Exception as exc:
-            logger.exception("refusal handler of %s failed", self._peer_address)
-            failure = TransportError(f"refusal handler failed: {exc!r}")
-            failure.__cause__ = exc
+        assert self._on_refused is not None
+        failure = call_consumer(self._on_refused, error, "refusal handler", self._peer_address)
+        if failure is not None:
             self._fail(failure)
             return
         if self._peer_sent is not None and self._received >= self._peer_sent:
@@ -800,12 +796,8 @@ class UCXConnection(Connection):
             self._peer_done()
 
     def _hand_over(self, receiver: Callable[[list[Any]], None], message: list[Any]) -> None:
-        try:
-            receiver(message)
-        except Exception as exc:
-            logger.exception("receiver of %s failed", self._peer_address)
-            error = TransportError(f"message receiver failed: {exc!r}")
-            error.__cause__ = exc
+        error = call_consumer(receiver, message, "message receiver", self._peer_address)
+        if error is not None:
             self._fail(error)
 
     # -- control channel and ending -------------------------------------------
