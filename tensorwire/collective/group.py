@@ -710,21 +710,8 @@ class Group:
     async def _chain_broadcast(self, op: _Op, flat: Flat, a: Any, root: int) -> None:
         """Pipelined chain: segment ``k`` moves on while segment ``k + 1`` arrives."""
         previous, following = schedule.chain(self.rank, self.world_size, root)
-        sending: asyncio.Task[None] | None = None
-        try:
-            for lo, hi in schedule.segments(0, flat.size, self._per_segment(flat)):
-                part = [flat.frame(a[lo:hi])]
-                if previous is not None:
-                    await self._recv(previous, op, 0, part)
-                if following is not None:
-                    if sending is not None:
-                        await sending
-                    sending = asyncio.ensure_future(self._send(following, op, 0, part))
-            if sending is not None:
-                await sending
-        finally:
-            if sending is not None and not sending.done():
-                sending.cancel()
+        await self._fan_chain(op, flat, a, previous, [] if following is None else [following],
+                              0, 0, flat.size)
 
     async def _chain_reduce(self, op: _Op, flat: Flat, a: Any, reduce: ReduceOp,
                             source: int | None, dest: int | None, step: int,
