@@ -126,11 +126,11 @@ _DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
 #: Host frames up to this many bytes in all travel inside the header message:
 #: one UCX message instead of several costs less than the copy.
 INLINE_BYTES = 4096
-#: The control channel carries only hellos and goodbyes.
 #: The header of a message of one inline host frame, up to its bytes: the
 #: prelude (kind, reserved zeros, frame count), the size, the code byte
 #: (INLINE_FLAG) with its zero padding.
 _ONE_INLINE = struct.Struct("<BBHIQQ")
+#: The control channel carries only hellos and goodbyes.
 _CONTROL_LIMITS = Limits(max_frame_bytes=64 * 1024, max_frames=4, max_message_bytes=128 * 1024)
 
 
