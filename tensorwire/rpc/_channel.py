@@ -91,6 +91,16 @@ class Channel:
         return self.error is not None
 
     def start(self) -> None:
+        conn = self.conn
+        # Both before anything more is read (the transport parses as bytes
+        # arrive): a message beyond our limits then fails only its own call
+        # (RESOURCE_EXHAUSTED), where the transport can skip it, and where it
+        # can, the transport calls _deliver itself as messages complete (no
+        # task wake-up per message); recv() then only raises when the
+        # connection ends.
+        if self._on_refused is not None:
+            conn.refuse_oversized(self._refused)
+        conn.deliver_to(self._deliver)
         self._tasks.append(self._loop.create_task(self._read_loop()))
         self._tasks.append(self._loop.create_task(self._watchdog()))
 
@@ -237,14 +247,6 @@ class Channel:
     async def _read_loop(self) -> None:
         conn = self.conn
         try:
-            # Where the transport can, it calls _deliver itself as messages
-            # complete (no task wake-up per message); recv() then only
-            # raises when the connection ends.
-            conn.deliver_to(self._deliver)
-            if self._on_refused is not None:
-                # A message beyond our limits then fails only its own call
-                # (RESOURCE_EXHAUSTED), where the transport can skip it.
-                conn.refuse_oversized(self._refused)
             while True:
                 self._deliver(await conn.recv())
         except asyncio.CancelledError:
