@@ -211,9 +211,19 @@ class _Session:
         if message is None or isinstance(message, protocol.Request):
             raise error  # no call to blame: the connection ends
         pending = self.pending.get(message.call_id)
-        if pending is not None:
-            pending.fail(ResourceExhausted(
-                f"a reply from {self.client.address} is beyond this client's limits: {error}"))
+        if pending is None:
+            return
+        exhausted = ResourceExhausted(
+            f"a reply from {self.client.address} is beyond this client's limits: {error}")
+        if pending.items is None:
+            pending.fail(exhausted)
+            return
+        # A stream: the consumer still gets the items before this one, then
+        # the error, in order; the server stops producing.
+        if self.channel is not None:
+            self.channel.send_soon(protocol.Cancel(message.call_id))
+        pending.deliver(protocol.Error(message.call_id, int(exhausted.status),
+                                       type(exhausted).__name__, exhausted.message, ""))
 
     def _on_close(self, error: TensorwireError) -> None:
         self.error = error

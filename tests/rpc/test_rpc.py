@@ -638,6 +638,27 @@ async def test_a_reply_beyond_the_client_limit_is_resource_exhausted(url: str) -
         assert client.transport_stats()[server.addresses[0]]["messages_received"] >= 4
 
 
+async def test_a_stream_item_beyond_the_client_limit_ends_the_stream_in_order(
+        url: str) -> None:
+    async with (
+        serving(url) as server,
+        tw.connect(server.addresses[0], transport=_SMALL) as client,
+    ):
+        values = [np.full(4, 1.0, np.float32), np.full(4, 2.0, np.float32),
+                  np.ones(1 << 19, np.float32), np.full(4, 4.0, np.float32)]
+        stream = client.stream("Store.scale", 1.0, _items(values))
+        got = [float((await anext(stream))[0])]
+        # The rest arrive while the consumer is behind: the items before the
+        # refused one still come, then the error, never what follows.
+        await asyncio.sleep(0.5)
+        got.append(float((await anext(stream))[0]))
+        with pytest.raises(ResourceExhausted, match="1048576"):
+            await anext(stream)
+        assert got == [1.0, 2.0]
+        assert await client.call("Store.echo", "after") == "after"
+        assert len(server.transport_stats()) == 1
+
+
 async def _items(values: list[Any]) -> AsyncIterator[Any]:
     for value in values:
         yield value
