@@ -289,6 +289,9 @@ class PSClient:
             raise ConfigError(f"worker must be in 0..{job.num_workers - 1}, got {worker}")
         #: The shards of the current placement, in its order.
         self.addresses = list(addresses)
+        # Shards of earlier placements that left: they may still hold chunks
+        # of a change that did not finish.
+        self._retired: list[str] = []
         self.worker = worker
         self.job = job
         self.config = config
@@ -404,6 +407,8 @@ class PSClient:
             old = {k: before[s] for k, s in self._placement.shard_of.items()}
         else:
             old = {}
+        self._retired = [a for a in dict.fromkeys([*self._retired, *self.addresses])
+                         if a not in addresses]
         self.addresses, self._placement, self.version = addresses, placement, version
         self._batches = _batches(placement, self.config.message_bytes, self._rank)
         after = [self.link_class(s) for s in range(placement.num_shards)]
@@ -603,27 +608,51 @@ class PSClient:
         (the moving chunks' own bytes), ``"chunks_moved", "seconds",
         "imbalance"}``.
 
+        A change that did not finish (this call failed part-way, or the
+        worker making it died) leaves the shards waiting for chunks, and
+        calls to those chunks wait with them. The next ``reshard``, from
+        this worker or any other, first finishes it: the chunks still on
+        their way are taken from whichever known shard holds them, and the
+        shards drop what they gave away. Then it makes the change asked for,
+        if that is another one.
+
         Raises:
-            FailedPrecondition: before :meth:`init`, or another worker
-                changed the placement at the same time.
+            FailedPrecondition: before :meth:`init`; another worker changed
+                the placement at the same time; a change left unfinished
+                cannot be finished because a chunk is on no shard that can
+                be reached (one that left was stopped first).
             InvalidArgument: ``placement`` does not fit ``addresses``.
             Unavailable: a shard stayed unreachable (chunks already sent
                 are kept on both sides; call again to finish).
         """
-        old = self.placement
+        if self._placement is None:
+            raise FailedPrecondition("call init() first")
         new_addresses = list(addresses)
-        if placement is None:
-            placement = relocate(old, self.addresses, new_addresses)
-        if placement.num_shards != len(new_addresses) or {
-                c.key for c in placement.chunks} != set(old.shard_of):
+        if placement is not None and (
+                placement.num_shards != len(new_addresses)
+                or {c.key for c in placement.chunks} != {c.key for c in self._chunks}):
             raise InvalidArgument("the placement does not fit the addresses and tensors")
         started = time.monotonic()
         async with self._refreshing:
             await asyncio.gather(*(self._hello(a) for a in new_addresses))
-            versions = await asyncio.gather(*(self._call(a, "hello") for a in self.addresses))
-            if max(int(v["version"]) for v in versions) != self.version:
-                raise FailedPrecondition("another worker changed the placement meanwhile; "
-                                         "this one has not seen it yet")
+            asked = list(dict.fromkeys([*self.addresses, *new_addresses]))
+            answers = await asyncio.gather(*(self._ask_hello(a, leaving=a not in new_addresses)
+                                             for a in asked))
+            infos = {a: info for a, info in zip(asked, answers, strict=True) if info is not None}
+            top = max(int(info["version"]) for info in infos.values())
+            finished: dict[str, Any] | None = None
+            if top > self.version or any(int(info.get("incoming", 0))
+                                         for info in infos.values()):
+                # An earlier change did not finish (its worker failed or
+                # died), or another worker's change has not reached us yet.
+                finished = await self._finish_change(top, infos)
+            old = self.placement
+            if placement is None:
+                placement = relocate(old, self.addresses, new_addresses)
+            if finished is not None and new_addresses == self.addresses and dict(
+                    placement.shard_of) == dict(old.shard_of):
+                finished["seconds"] = time.monotonic() - started
+                return finished
             version = self.version + 1
             layout = {"version": version, "addresses": new_addresses,
                       "shard_of": dict(placement.shard_of), "step": self.clock}
@@ -658,6 +687,87 @@ class PSClient:
                     version, len(new_addresses), report["chunks_moved"],
                     report["bytes_moved"], report["seconds"])
         return report
+
+    async def _ask_hello(self, address: str, *, leaving: bool) -> dict[str, Any] | None:
+        """A shard's hello; None for a shard that is leaving and gone."""
+        try:
+            info: dict[str, Any] = await self._call(address, "hello")
+        except Unavailable:
+            if not leaving:
+                raise
+            return None
+        return info
+
+    async def _finish_change(self, version: int,
+                             infos: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+        """Bring the change to placement ``version`` to its end, as far as an
+        earlier :meth:`reshard` took it, and use that placement.
+
+        Every shard of the placement is told to serve it again (``begin`` is
+        idempotent); each chunk a shard still waits for is found on whichever
+        shard this worker knows (the placement's, earlier ones', those just
+        asked) still holds it and moved there; then every shard drops what it
+        no longer owns. Shards outside the placement that cannot be reached
+        are passed over. Runs under ``_refreshing``.
+
+        Raises:
+            FailedPrecondition: the placement is for other tensors, or a chunk
+                is on no shard that can be reached.
+        """
+        holder = next(a for a, info in infos.items() if int(info["version"]) == version)
+        layout = await self._call(holder, "layout")
+        addresses = [str(a) for a in layout["addresses"]]
+        shard_of = {str(k): int(v) for k, v in dict(layout["shard_of"]).items()}
+        chunks = {c.key: c for c in self._chunks}
+        if set(shard_of) != set(chunks):
+            raise FailedPrecondition("the shards' new placement is for other tensors")
+        await asyncio.gather(*(self._hello(a) for a in addresses))
+        job = self.job.to_wire()
+        await asyncio.gather(*(self._call(a, "begin", job, layout, i)
+                               for i, a in enumerate(addresses)))
+        waiting = await asyncio.gather(*(self._call(a, "incoming", version) for a in addresses))
+        needed = {str(key): addresses[i] for i, keys in enumerate(waiting) for key in keys}
+        others = [a for a in dict.fromkeys([*self.addresses, *self._retired, *infos])
+                  if a not in addresses]
+        reachable = list(addresses)
+        for address in others:
+            # A shard that left may be stopped already: what it held then
+            # must be on a shard that took it (else the loss is named below).
+            try:
+                await self._call(address, "begin", job, layout, -1)
+            except Unavailable:
+                logger.info("shard %s, which left the placement, is gone", address)
+                continue
+            reachable.append(address)
+        moves: dict[tuple[str, str], list[Chunk]] = {}
+        if needed:
+            wanted = sorted(needed)
+            held = await asyncio.gather(*(self._call(a, "holding", wanted) for a in reachable))
+            source: dict[str, str] = {}
+            for address, keys in zip(reachable, held, strict=True):
+                for key in keys:
+                    source.setdefault(str(key), address)
+            lost = sorted(set(needed) - set(source))
+            if lost:
+                raise FailedPrecondition(
+                    f"placement version {version} cannot be finished: chunks {lost[:5]} "
+                    f"({len(lost)} in all) are on no shard this worker can reach")
+            for key, target in needed.items():
+                moves.setdefault((source[key], target), []).append(chunks[key])
+        moved = await asyncio.gather(*(self._transfer(s, t, version, cs)
+                                       for (s, t), cs in moves.items()))
+        everything = sorted(chunks)
+        await asyncio.gather(*(self._call(a, "release", version, everything) for a in reachable))
+        placement = Placement(len(addresses), self._chunks, shard_of)
+        self._use(addresses, placement, version)
+        await asyncio.gather(*(self._checkpoint_if_kept(a) for a in reachable))
+        logger.info("finished placement version %d on %d shards: moved %d chunks that were "
+                    "still on their way", version, len(addresses),
+                    sum(len(c) for c in moves.values()))
+        return {"version": version, "bytes_moved": sum(moved),
+                "parameter_bytes_moved": sum(c.nbytes for cs in moves.values() for c in cs),
+                "chunks_moved": sum(len(c) for c in moves.values()), "seconds": 0.0,
+                "imbalance": placement.imbalance}
 
     async def _checkpoint_if_kept(self, address: str) -> None:
         with contextlib.suppress(FailedPrecondition):  # no checkpoint directory
@@ -810,7 +920,8 @@ class PSClient:
         try:
             report = await self.rebalance()
         except (FailedPrecondition, Unavailable) as exc:
-            logger.warning("rebalancing skipped: %s", exc)
+            # A move that stopped part-way is finished by the next check.
+            logger.warning("rebalancing failed, checked again in %d steps: %s", every, exc)
             return
         logger.info("rebalance check at step %d: bandwidth %s MB/s, predicted-time "
                     "imbalance %.3f%s", clock,

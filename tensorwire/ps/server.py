@@ -241,8 +241,9 @@ class Shard(rpc.Service):
     async def hello(self) -> dict[str, Any]:
         """Who this shard is: its host name (workers on the same host treat
         the link as local) and the placement version it serves."""
-        return {"host": socket.gethostname(),
-                "version": 0 if self.store is None else self.store.version}
+        store = self.store
+        return {"host": socket.gethostname(), "version": 0 if store is None else store.version,
+                "incoming": 0 if store is None else len(store.incoming)}
 
     @rpc.method(idempotent=True)
     async def init(self, job: dict[str, Any], worker: int, keys: list[str],
@@ -456,6 +457,17 @@ class Shard(rpc.Service):
         taken = self._at(version).adopt(records)
         await self._notify()
         return taken
+
+    @rpc.method(idempotent=True)
+    async def incoming(self, version: int) -> list[str]:
+        """Chunks this shard owns in placement ``version`` but does not hold yet."""
+        return sorted(self._at(version).incoming)
+
+    @rpc.method(idempotent=True)
+    async def holding(self, keys: list[str]) -> list[str]:
+        """Which of ``keys`` this shard holds, whatever placement it serves."""
+        store = self.store
+        return [] if store is None else [key for key in keys if key in store.entries]
 
     @rpc.method(idempotent=True)
     async def release(self, version: int, keys: list[str]) -> None:

@@ -20,8 +20,10 @@ from tensorwire.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    ResourceExhausted,
     Unavailable,
 )
+from tensorwire.transports import Limits, TransportConfig
 
 URLS = ["tcp://127.0.0.1:0", "inproc://ps-test*"]
 PUSH = "tensorwire.ps.Shard.push"
@@ -494,6 +496,69 @@ async def test_a_worker_follows_even_when_the_shard_it_knew_was_stopped() -> Non
         np.testing.assert_allclose(got[0]["w"], model()["w"] - 2 * 0.5 * 1.5)
         for client in (leader, other):
             await client.close()
+
+
+async def test_a_change_that_stopped_part_way_is_finished_by_the_next_reshard() -> None:
+    # The worker that changes the placement cannot take the moving chunks'
+    # state (Adam's value and moments), which is beyond its message limit,
+    # while its own steps fit: the change stops after every shard switched
+    # to it, with the new shard waiting for chunks that never came.
+    limited = ps.PSConfig(chunk_bytes=256, message_bytes=256, rpc=tw.rpc.ClientConfig(
+        transport=TransportConfig(limits=Limits(max_message_bytes=640))))
+    async with shards(3) as servers, shards(2) as reference:
+        addresses = [s.addresses[0] for s in servers]
+        base = [s.addresses[0] for s in servers[:2]]
+        adam = ps.Adam(lr=0.1)
+        leader = await ps.connect(base, worker=0, num_workers=2, optimizer=adam,
+                                  config=limited)
+        other = await ps.connect(base, worker=1, num_workers=2, optimizer=adam,
+                                 config=ps.PSConfig(chunk_bytes=256, message_bytes=256))
+        await asyncio.gather(leader.init(model()), other.init(model()))
+        await asyncio.gather(leader.push_pull(ones(1.0)), other.push_pull(ones(2.0)))
+        with pytest.raises(ResourceExhausted):
+            await leader.reshard(addresses)
+        statuses = await other.status()
+        assert [s["version"] for s in statuses] == [1, 1]
+        # Any worker's next reshard finishes it: here the other one, which
+        # has not even seen the new placement yet.
+        assert other.version == 0
+        report = await other.reshard(addresses)
+        assert report["version"] == 1 and report["chunks_moved"] > 0
+        assert other.version == 1 and other.addresses == addresses
+        got = await asyncio.gather(leader.push_pull(ones(1.0)), other.push_pull(ones(2.0)))
+        assert leader.version == 1
+        statuses = await other.status()
+        assert sum(s["chunks"] for s in statuses) == len(other.placement.chunks)
+        # The same steps without any change of placement.
+        expected = await workers(reference, 2, optimizer=adam,
+                                 config=ps.PSConfig(chunk_bytes=256, message_bytes=256))
+        await asyncio.gather(*(c.init(model()) for c in expected))
+        for _ in range(2):
+            want = await asyncio.gather(expected[0].push_pull(ones(1.0)),
+                                        expected[1].push_pull(ones(2.0)))
+        for name in model():
+            np.testing.assert_array_equal(got[0][name], want[0][name])
+            np.testing.assert_array_equal(got[1][name], want[1][name])
+        for client in (leader, other, *expected):
+            await client.close()
+
+
+async def test_a_change_whose_chunks_are_gone_names_them() -> None:
+    limited = ps.PSConfig(chunk_bytes=256, message_bytes=256, retry_timeout=1,
+                          rpc=tw.rpc.ClientConfig(reconnect_attempts=1, transport=TransportConfig(
+                              limits=Limits(max_message_bytes=640))))
+    async with shards(3) as servers:
+        addresses = [s.addresses[0] for s in servers]
+        leader = await ps.connect(addresses[:2], worker=0, num_workers=1,
+                                  optimizer=ps.Adam(lr=0.1), config=limited)
+        await leader.init(model())
+        with pytest.raises(ResourceExhausted):
+            await leader.reshard(addresses[1:])
+        # Shard 0 was to give its chunks to shard 2, and is stopped first.
+        await servers[0].close(checkpoint=False)
+        with pytest.raises(FailedPrecondition, match="on no shard this worker can reach"):
+            await leader.reshard(addresses[1:])
+        await leader.close()
 
 
 async def test_two_placements_under_one_version_are_refused() -> None:
