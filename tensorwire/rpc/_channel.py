@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,7 +90,9 @@ class Channel:
     def closed(self) -> bool:
         return self.error is not None
 
-    def start(self) -> None:
+    def start(self, *, refused: Sequence[LimitExceededError] = ()) -> None:
+        """Start reading and watching; ``refused``: messages the transport
+        skipped before (a session learns of them first)."""
         conn = self.conn
         # Both before anything more is read (the transport parses as bytes
         # arrive): a message beyond our limits then fails only its own call
@@ -100,6 +102,8 @@ class Channel:
         # connection ends.
         if self._on_refused is not None:
             conn.refuse_oversized(self._refused)
+        for error in refused:
+            self._refused(error)
         conn.deliver_to(self._deliver)
         self._tasks.append(self._loop.create_task(self._read_loop()))
         self._tasks.append(self._loop.create_task(self._watchdog()))

@@ -199,6 +199,21 @@ class Server:
     # -- connections ---------------------------------------------------------
 
     async def _serve(self, conn: Connection) -> None:
+        # The transport reads on while the handshake is answered: a request
+        # beyond the limits right behind the hello is skipped and fails only
+        # its own call once the session starts. A first message (the hello)
+        # beyond them ends the connection.
+        refused: list[LimitExceededError] = []
+
+        def refused_early(error: LimitExceededError) -> None:
+            if conn.stats()["messages_received"] <= 1:
+                logger.warning("refused %s: its hello is beyond the limits: %s",
+                               conn.peer_address, error)
+                conn.abort()
+            else:
+                refused.append(error)
+
+        conn.refuse_oversized(refused_early)
         try:
             name = await asyncio.wait_for(self._handshake(conn), self.config.heartbeat_timeout)
         except (TimeoutError, TensorwireError) as exc:
@@ -208,7 +223,7 @@ class Server:
             return
         if name is None:
             return
-        session = _Session(self, conn, name)
+        session = _Session(self, conn, name, refused)
         self._sessions.add(session)
         try:
             await session.run()
@@ -245,9 +260,12 @@ class Server:
 class _Session:
     """One client connection on the server."""
 
-    def __init__(self, server: Server, conn: Connection, client_name: str) -> None:
+    def __init__(self, server: Server, conn: Connection, client_name: str,
+                 refused: list[LimitExceededError]) -> None:
         self.server = server
         self.client_name = client_name
+        # Requests skipped while the handshake was answered.
+        self._refused_early = refused
         self.calls: dict[int, _Call] = {}
         self.channel = Channel(conn, self._on_message, self._on_close,
                                heartbeat_timeout=server.config.heartbeat_timeout,
@@ -256,7 +274,7 @@ class _Session:
         self._done = asyncio.Event()
 
     async def run(self) -> None:
-        self.channel.start()
+        self.channel.start(refused=self._refused_early)
         try:
             await self._done.wait()
         finally:

@@ -624,6 +624,36 @@ async def test_a_request_beyond_the_server_limit_is_resource_exhausted(url: str)
     assert server.metrics()["Store.put"]["errors"] == 1
 
 
+async def test_an_oversized_request_right_behind_the_hello_fails_only_itself(url: str) -> None:
+    # The server's transport parses bytes as they arrive, also while the
+    # handshake is answered: the request is skipped then and fails once the
+    # session starts.
+    config = ServerConfig(transport=_SMALL)
+    async with serving(url, config=config) as server:
+        conn = await transport_connect(server.addresses[0])
+        header, buffers = tw.serde.encode([["big", np.ones(2 << 20, np.uint8)], {}])
+        await conn.send_many([p.encode(p.ClientHandshake(secret=None).start()),
+                              p.encode(p.Request(1, "Store.put", 5.0, -1, [header, *buffers]))])
+        assert isinstance(p.parse(await conn.recv()), p.Welcome)
+        reply = p.parse(await asyncio.wait_for(conn.recv(), 10))
+        assert isinstance(reply, p.Error)
+        assert (reply.call_id, reply.status) == (1, ResourceExhausted.status)
+        await conn.send(p.encode(p.Ping(0)))
+        assert isinstance(p.parse(await asyncio.wait_for(conn.recv(), 10)), p.Pong)
+        await conn.close()
+
+
+async def test_an_oversized_hello_ends_the_connection_at_once(url: str) -> None:
+    config = ServerConfig(transport=_SMALL, heartbeat_timeout=60)
+    async with serving(url, config=config) as server:
+        conn = await transport_connect(server.addresses[0])
+        await conn.send([np.zeros(2 << 20, np.uint8)])
+        with pytest.raises(tw.errors.ConnectionClosedError):
+            await asyncio.wait_for(conn.recv(), 10)  # well before the handshake's 60 s
+        async with tw.connect(server.addresses[0]) as client:
+            assert await client.call("Store.echo", "fine") == "fine"
+
+
 async def test_a_reply_beyond_the_client_limit_is_resource_exhausted(url: str) -> None:
     async with (
         serving(url) as server,
