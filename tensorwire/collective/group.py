@@ -931,20 +931,17 @@ class Group:
         self._large(0, algorithm, hierarchical=True)  # validates the name
         order = sorted(range(len(flats)), key=lambda i: (ranks[i], i))
         buckets: list[list[int]] = []
-        size = 0
+        size, kind = 0, None
         for i in order:
             f = flats[i]
             key = (f.dtype.str, f.device, type(f.array))
-            last = buckets[-1] if buckets else None
-            if (last is None or f.nbytes >= bucket_bytes or size + f.nbytes > bucket_bytes
-                    or flats[last[0]].nbytes >= bucket_bytes
-                    or (flats[last[0]].dtype.str, flats[last[0]].device,
-                        type(flats[last[0]].array)) != key):
-                buckets.append([i])
-                size = f.nbytes
-            else:
-                last.append(i)
+            if (buckets and key == kind and size < bucket_bytes and f.nbytes < bucket_bytes
+                    and size + f.nbytes <= bucket_bytes):
+                buckets[-1].append(i)
                 size += f.nbytes
+            else:
+                buckets.append([i])
+                size, kind = f.nbytes, key
         loop = asyncio.get_running_loop()
         out: list[asyncio.Future[Any]] = [loop.create_future() for _ in flats]
         for bucket in buckets:

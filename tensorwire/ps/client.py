@@ -679,10 +679,7 @@ class PSClient:
             # Shards that keep checkpoints write one now, so that a restart
             # restores the new placement rather than chunks that left.
             await asyncio.gather(*(self._checkpoint_if_kept(a) for a in involved))
-        report = {"version": version, "bytes_moved": sum(moved),
-                  "parameter_bytes_moved": sum(c.nbytes for cs in moves.values() for c in cs),
-                  "chunks_moved": sum(len(c) for c in moves.values()),
-                  "seconds": time.monotonic() - started, "imbalance": placement.imbalance}
+        report = _move_report(version, moves, moved, placement, time.monotonic() - started)
         logger.info("placement version %d on %d shards: moved %d chunks, %d bytes in %.2f s",
                     version, len(new_addresses), report["chunks_moved"],
                     report["bytes_moved"], report["seconds"])
@@ -761,13 +758,10 @@ class PSClient:
         placement = Placement(len(addresses), self._chunks, shard_of)
         self._use(addresses, placement, version)
         await asyncio.gather(*(self._checkpoint_if_kept(a) for a in reachable))
+        report = _move_report(version, moves, moved, placement, 0.0)
         logger.info("finished placement version %d on %d shards: moved %d chunks that were "
-                    "still on their way", version, len(addresses),
-                    sum(len(c) for c in moves.values()))
-        return {"version": version, "bytes_moved": sum(moved),
-                "parameter_bytes_moved": sum(c.nbytes for cs in moves.values() for c in cs),
-                "chunks_moved": sum(len(c) for c in moves.values()), "seconds": 0.0,
-                "imbalance": placement.imbalance}
+                    "still on their way", version, len(addresses), report["chunks_moved"])
+        return report
 
     async def _checkpoint_if_kept(self, address: str) -> None:
         with contextlib.suppress(FailedPrecondition):  # no checkpoint directory
@@ -1150,3 +1144,12 @@ class PSClient:
     def _assemble(self, got: Mapping[str, Any]) -> dict[str, Array]:
         """Tensors from the chunk values the shards sent back."""
         return {name: self._tensor(name, got) for name in self._specs}
+
+
+def _move_report(version: int, moves: Mapping[tuple[str, str], Sequence[Chunk]],
+                 moved: Sequence[int], placement: Placement, seconds: float) -> dict[str, Any]:
+    """What :meth:`PSClient.reshard` returns about a change of placement."""
+    return {"version": version, "bytes_moved": sum(moved),
+            "parameter_bytes_moved": sum(c.nbytes for cs in moves.values() for c in cs),
+            "chunks_moved": sum(len(c) for c in moves.values()), "seconds": seconds,
+            "imbalance": placement.imbalance}
