@@ -18,7 +18,7 @@ from tensorwire import rpc
 from tensorwire.collective import serve_rendezvous
 from tensorwire.errors import TensorwireError
 
-from ..collective._worker import CONFIG
+from ..collective._worker import QUICK_LIVENESS
 
 
 class Ledger(rpc.Service):
@@ -43,7 +43,7 @@ async def until_stdin_closes() -> None:
 
 
 async def rendezvous(host: str, world: int) -> None:
-    server, address = await serve_rendezvous(f"tcp://{host}:0", world, config=CONFIG)
+    server, address = await serve_rendezvous(f"tcp://{host}:0", world, config=QUICK_LIVENESS)
     print(address, flush=True)
     await until_stdin_closes()
     await server.close(grace=0)
