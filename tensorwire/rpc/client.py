@@ -264,6 +264,10 @@ class Client:
         self._next_attempt = 0.0
         self._metrics = Metrics()
         self._closed = False
+        # The client's own codec (it runs on one event loop's thread): a
+        # call each way less than serde's per-thread functions.
+        self._encoder = serde.Encoder()
+        self._decoder = serde.Decoder()
 
     # -- lifetime ------------------------------------------------------------
 
@@ -393,12 +397,25 @@ class Client:
     async def _call_once(
         self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
     ) -> Any:
+        """Send the request and wait for its answer, at most until ``deadline``.
+
+        The request is queued without waiting: the answer cannot come before
+        it has gone. A call that ends early (deadline, cancel) may leave its
+        request still going out, so its arguments must stay unchanged until
+        then, as with any send cut short. The session's deadline heap, not
+        ``asyncio.timeout``: this runs for every call, and a heap push costs
+        a fraction of the context manager. One coroutine from here to the
+        answer: each level of awaiting costs on every call.
+        """
         started = time.perf_counter()
         session = self._session
         if session is None or not session.alive:
             session = await self._ready_by(deadline, method)
         args, source, stream_arg = _split_stream(args)
-        payload = _encode([args, kwargs])
+        # A list, not the tuple: msgpack packs a list in C, a tuple through
+        # a Python callback (the server takes either).
+        header, buffers = self._encoder.encode([list(args), kwargs])
+        payload = [header, *buffers]
         metrics = self._metrics[method]
         error = True
         try:
@@ -409,11 +426,35 @@ class Client:
                 async with asyncio.timeout_at(deadline):
                     await slots.acquire()
             try:
-                message = await self._exchange(session, method, payload, stream_arg, source,
-                                               deadline, metrics)
+                loop = session.loop
+                call_id, pending = self._register(session, metrics, streaming=False)
+                # The server enforces the same deadline; waiting a moment
+                # longer lets its DEADLINE_EXCEEDED, which says where the
+                # time went, arrive first.
+                session.watch(call_id, deadline + _DEADLINE_GRACE)
+                pump: asyncio.Task[None] | None = None
+                try:
+                    remaining = max(deadline - loop.time(), 0.0)
+                    metrics.bytes_out += _channel(session).post(
+                        protocol.Request(call_id, method, remaining, stream_arg, payload)
+                    )
+                    if source is not None:
+                        pending.credit_event = asyncio.Event()
+                        pump = loop.create_task(self._pump(session, call_id, pending, source))
+                    message = await pending.future
+                except BaseException:
+                    self._cancel_remote(session, call_id)
+                    raise
+                finally:
+                    session.pending.pop(call_id, None)
+                    if pump is not None:
+                        await _stop(pump)
             finally:
                 slots.release()
-            result = _result(message, method)
+            if type(message) is not protocol.Response:
+                raise _unexpected(message, method)
+            frames = message.value
+            result = self._decoder.decode(frames[0], frames[1:])
             error = False
             return result
         except DeadlineExceeded:
@@ -424,48 +465,6 @@ class Client:
             metrics.observe(time.perf_counter() - started, error=error)
             if self.config.timeline is not None:
                 self.config.timeline.add_since(method, "rpc.client", started, error=error)
-
-    async def _exchange(
-        self,
-        session: _Session,
-        method: str,
-        payload: list[Any],
-        stream_arg: int,
-        source: AsyncIterable[Any] | None,
-        deadline: float,
-        metrics: MethodMetrics,
-    ) -> protocol.Message:
-        """Send the request and wait for its answer, at most until ``deadline``.
-
-        The request is queued without waiting: the answer cannot come before
-        it has gone. A call that ends early (deadline, cancel) may leave its
-        request still going out, so its arguments must stay unchanged until
-        then, as with any send cut short. The session's deadline heap, not
-        ``asyncio.timeout``: this runs for every call, and a heap push costs
-        a fraction of the context manager.
-        """
-        loop = session.loop
-        call_id, pending = self._register(session, metrics, streaming=False)
-        # The server enforces the same deadline; waiting a moment longer lets
-        # its DEADLINE_EXCEEDED, which says where the time went, arrive first.
-        session.watch(call_id, deadline + _DEADLINE_GRACE)
-        pump: asyncio.Task[None] | None = None
-        try:
-            remaining = max(deadline - loop.time(), 0.0)
-            metrics.bytes_out += _channel(session).post(
-                protocol.Request(call_id, method, remaining, stream_arg, payload)
-            )
-            if source is not None:
-                pending.credit_event = asyncio.Event()
-                pump = loop.create_task(self._pump(session, call_id, pending, source))
-            return await pending.future
-        except BaseException:
-            self._cancel_remote(session, call_id)
-            raise
-        finally:
-            session.pending.pop(call_id, None)
-            if pump is not None:
-                await _stop(pump)
 
     def stream(
         self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -482,7 +481,7 @@ class Client:
     ) -> AsyncIterator[Any]:
         session = await self._ready_by(deadline, method)
         args, source, stream_arg = _split_stream(args)
-        payload = _encode([args, kwargs])
+        payload = self._encode([list(args), kwargs])
         window = self.config.stream_window
         metrics = self._metrics[method]
         started = time.perf_counter()
@@ -529,7 +528,7 @@ class Client:
                         if consumed >= max(1, window // 2):
                             channel.send_soon(protocol.Credit(call_id, consumed))
                             consumed = 0
-                        yield _decode(message.value, method)
+                        yield self._decoder.decode(message.value[0], message.value[1:])
                 finally:
                     if not finished:
                         self._cancel_remote(session, call_id)
@@ -559,13 +558,17 @@ class Client:
                     event.clear()
                     await event.wait()
                 pending.credit -= 1
-                await channel.send(protocol.Item(call_id, _encode(item)))
+                await channel.send(protocol.Item(call_id, self._encode(item)))
             await channel.send(protocol.End(call_id))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             # The caller's iterable failed: end the call with that error.
             pending.fail(exc)
+
+    def _encode(self, value: Any) -> list[Any]:
+        header, buffers = self._encoder.encode(value)
+        return [header, *buffers]
 
     def _register(self, session: _Session, metrics: MethodMetrics, *,
                   streaming: bool) -> tuple[int, _Pending]:
@@ -634,24 +637,14 @@ def _aiter_index(args: tuple[Any, ...]) -> int:
     return -1
 
 
-def _encode(value: Any) -> list[Any]:
-    header, buffers = serde.encode(value)
-    return [header, *buffers]
-
-
-def _decode(frames: list[Any], method: str) -> Any:
-    return serde.decode(frames[0], frames[1:])
-
-
 def _remote(message: protocol.Error) -> RemoteError:
     cls = RemoteError.for_status(message.status)
     return cls(message.message, type_name=message.type_name,
                remote_traceback=message.traceback)
 
 
-def _result(message: protocol.Message, method: str) -> Any:
+def _unexpected(message: protocol.Message, method: str) -> Exception:
+    """What a unary call raises for an answer that is not a RESPONSE."""
     if isinstance(message, protocol.Error):
-        raise _remote(message)
-    if isinstance(message, protocol.Response):
-        return _decode(message.value, method)
-    raise ProtocolError(f"unexpected {message.kind.name} for unary call {method}")
+        return _remote(message)
+    return ProtocolError(f"unexpected {message.kind.name} for unary call {method}")

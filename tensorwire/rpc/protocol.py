@@ -245,7 +245,7 @@ def encode(message: Message) -> list[Any]:
     """The transport frames of ``message``."""
     cls = type(message)
     if cls is Response or cls is Item:
-        value = message.payload
+        value = message.value  # type: ignore[attr-defined]
         return [_REPLY.pack(cls.kind, 0, 0, 0, message.call_id) + value[0], *value[1:]]
     if cls is Request:
         assert isinstance(message, Request)

@@ -199,11 +199,17 @@ def call_consumer(callback: Callable[[Any], None], arg: Any, what: str,
     try:
         callback(arg)
     except Exception as exc:
-        logger.exception("%s of %s failed", what, peer)
-        error = TransportError(f"{what} failed: {exc!r}")
-        error.__cause__ = exc
-        return error
+        return consumer_failed(exc, what, peer)
     return None
+
+
+def consumer_failed(exc: Exception, what: str, peer: str) -> TransportError:
+    """Log what a consumer's callback raised; the error that ends the
+    connection (see ``call_consumer``, for callers that inline its call)."""
+    logger.exception("%s of %s failed", what, peer, exc_info=exc)
+    error = TransportError(f"{what} failed: {exc!r}")
+    error.__cause__ = exc
+    return error
 
 
 def start_eagerly(coro: Coroutine[Any, None, None]) -> asyncio.Future[None] | None:

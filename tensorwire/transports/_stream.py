@@ -20,6 +20,7 @@ from ._base import (
     Connection,
     RecvQueue,
     call_consumer,
+    consumer_failed,
     default_allocator,
     device_nbytes,
     host_view,
@@ -84,8 +85,15 @@ _HOST_TYPES = frozenset({bytes, bytearray, memoryview})
 
 def _outgoing_many(messages: Sequence[Sequence[Any]]) -> list[Any]:
     buffers: list[Any] = []
+    append = buffers.append
     for frames in messages:
-        buffers.extend(outgoing(frames))
+        if len(frames) == 1 and type(frames[0]) is bytes:
+            # outgoing()'s first case, inlined: a batch of small RPC messages.
+            frame = frames[0]
+            append(pack_one_frame(len(frame)))
+            append(frame)
+        else:
+            buffers.extend(outgoing(frames))
     return buffers
 
 
@@ -160,9 +168,7 @@ class StreamConnection(Connection):
     def _count_out(self, messages: int, buffers: list[Any]) -> int:
         """Count ``messages`` going out as ``buffers``; returns their bytes."""
         self.messages_sent += messages
-        nbytes = 0
-        for buffer in buffers:
-            nbytes += len(buffer)  # bytes, or memoryviews cast to "B"
+        nbytes = sum(map(len, buffers))  # bytes, or memoryviews cast to "B"
         self.bytes_sent += nbytes
         return nbytes
 
@@ -352,7 +358,11 @@ class StreamConnection(Connection):
                 if receiver is None:
                     self._queue.deliver(event)
                     continue
-                self._hand_over(receiver, event)
+                try:  # call_consumer, inlined: this runs for every message
+                    receiver(event)
+                except Exception as exc:
+                    self._fail(consumer_failed(exc, "message receiver", self._peer_address))
+                    return False
                 if self._error is not None:
                     return False
             if reader.frames_announced is None:

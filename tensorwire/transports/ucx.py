@@ -95,6 +95,7 @@ from ._base import (
     call_consumer,
     check_frame_count,
     check_limits,
+    consumer_failed,
     default_allocator,
     device_nbytes,
     host_empty,
@@ -791,7 +792,10 @@ class UCXConnection(Connection):
         if receiver is None:
             self._queue.deliver(message)
         else:
-            self._hand_over(receiver, message)
+            try:  # call_consumer, inlined: this runs for every message
+                receiver(message)
+            except Exception as exc:
+                self._fail(consumer_failed(exc, "message receiver", self._peer_address))
         if self._peer_sent is not None and self._received >= self._peer_sent:
             self._peer_done()
 
