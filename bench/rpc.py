@@ -16,6 +16,18 @@ UCX reads its settings once per process, so each variant gets fresh ones):
   resolves, the server echoing every whole record it has in one write (no
   encoding, deadlines, metrics or dispatch; uvloop).
 
+- RPC against its raw transport, paired: one server process hosts both the
+  RPC echo and the raw echo on the same transport, and one client process
+  alternates between them call by call and echo by echo, so that both see
+  the same process placement and the same moment of this shared host. The
+  targets that compare the RPC with its transport use these pairs.
+
+- instructions per tiny call, counted by valgrind's callgrind with the
+  client and the server in one process (64 calls in flight over tcp://
+  loopback): the RPC against the floor above. Unlike times on this shared
+  host, the count repeats to within a fraction of a percent, so it tracks
+  the cost of a call from one commit to the next. Skipped without valgrind.
+
 Measurements: a tiny call's latency (p50/p99, one call in flight) and calls
 per second with 1 and 64 calls in flight; echo bandwidth of a float32 tensor
 of 1, 64 and 256 MiB (GB/s counting both directions, median of a few echoes
@@ -26,6 +38,7 @@ after a warm-up). Receivers allocate a fresh buffer per message everywhere
     python bench/rpc.py --quick          # one round of shorter runs (~40 s)
     python bench/rpc.py --profile DIR    # cProfile the 64-in-flight tcp:// case
     python bench/rpc.py --pin            # server and client on fixed, different CPUs
+    python bench/rpc.py --instructions   # only the instruction counts (~4 min)
 
 ``--pin`` puts every server and client on two fixed, different CPUs (see
 ``placement``); by default the OS places them.
@@ -82,7 +95,7 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    kind: str  # "rpc", "raw", "grpc" or "floor"
+    kind: str  # "rpc", "raw", "grpc", "floor" or "pair"
     url: str  # the server's listen URL ("" for gRPC)
 
     @property
@@ -98,6 +111,8 @@ VARIANTS = [
     Variant("raw transport ucx://", "raw", "ucx://127.0.0.1:0"),
     Variant("grpc.aio", "grpc", ""),
     Variant("asyncio Protocol floor", "floor", ""),
+    Variant("paired tcp://", "pair", "tcp://127.0.0.1:0"),
+    Variant("paired ucx://", "pair", "ucx://127.0.0.1:0"),
 ]
 #: The floor variant's record: call id, value.
 FLOOR_RECORD = struct.Struct("<QQ")
@@ -176,12 +191,12 @@ def server_main(ready: Any, stop: Any, variant: Variant, profile: str | None,
                 cpu: int | None = None) -> None:
     _pin(cpu)
     serve = {"rpc": _rpc_server, "raw": _raw_server, "grpc": _grpc_server,
-             "floor": _floor_server}[variant.kind]
+             "floor": _floor_server, "pair": _pair_server}[variant.kind]
     with _Profile(profile):
         _run_loop(variant.kind, lambda: serve(ready, stop, variant))
 
 
-async def _rpc_server(ready: Any, stop: Any, variant: Variant) -> None:
+async def _start_rpc(url: str) -> Any:
     import tensorwire as tw
     from tensorwire import rpc
 
@@ -190,14 +205,12 @@ async def _rpc_server(ready: Any, stop: Any, variant: Variant) -> None:
         async def echo(self, value: Any) -> Any:
             return value
 
-    server = tw.Server([Echo()], config=rpc.ServerConfig(transport=_transport_config(variant.url)))
-    (address,) = await server.start(variant.url)
-    ready.put(address)
-    await _wait_stop(stop)
-    await server.close(grace=1.0)
+    server = tw.Server([Echo()], config=rpc.ServerConfig(transport=_transport_config(url)))
+    await server.start(url)
+    return server
 
 
-async def _raw_server(ready: Any, stop: Any, variant: Variant) -> None:
+async def _start_raw(url: str) -> Any:
     from tensorwire.errors import ConnectionClosedError
     from tensorwire.transports import listen
 
@@ -206,10 +219,30 @@ async def _raw_server(ready: Any, stop: Any, variant: Variant) -> None:
             while True:
                 await conn.send(await conn.recv())
 
-    listener = await listen(variant.url, echo, config=_transport_config(variant.url))
+    return await listen(url, echo, config=_transport_config(url))
+
+
+async def _rpc_server(ready: Any, stop: Any, variant: Variant) -> None:
+    server = await _start_rpc(variant.url)
+    ready.put(server.addresses[0])
+    await _wait_stop(stop)
+    await server.close(grace=1.0)
+
+
+async def _raw_server(ready: Any, stop: Any, variant: Variant) -> None:
+    listener = await _start_raw(variant.url)
     ready.put(listener.address)
     await _wait_stop(stop)
     await listener.close()
+
+
+async def _pair_server(ready: Any, stop: Any, variant: Variant) -> None:
+    server = await _start_rpc(variant.url)
+    listener = await _start_raw(variant.url)
+    ready.put((server.addresses[0], listener.address))
+    await _wait_stop(stop)
+    await listener.close()
+    await server.close(grace=1.0)
 
 
 async def _grpc_server(ready: Any, stop: Any, variant: Variant) -> None:
@@ -262,6 +295,9 @@ class _Caller:
 
     tiny: Callable[[], Awaitable[Any]]
     tensor: Callable[[np.ndarray[Any, Any]], Awaitable[np.ndarray[Any, Any]]]
+
+    async def open(self, address: str) -> _Caller:
+        raise NotImplementedError
 
     async def close(self) -> None:
         raise NotImplementedError
@@ -449,10 +485,7 @@ async def _measure(caller: _Caller, variant: Variant, plan: Plan,
     for size, reps in zip(plan.sizes, plan.reps, strict=True):
         async def echo(size: int = size, reps: int = reps) -> None:
             arr = np.arange(size // 4, dtype=np.float32)
-            back = await caller.tensor(arr)  # warm-up
-            if back.nbytes != arr.nbytes or back[-1] != arr[-1]:
-                raise RuntimeError("the echo came back different")
-            del back
+            _check_echo(arr, await caller.tensor(arr))  # warm-up
             times = []
             for _ in range(reps):
                 start = time.perf_counter()
@@ -466,13 +499,69 @@ async def _measure(caller: _Caller, variant: Variant, plan: Plan,
     return out
 
 
-def client_main(done: Any, address: str, variant: Variant, plan: Plan,
+def _check_echo(arr: np.ndarray[Any, Any], back: np.ndarray[Any, Any]) -> None:
+    if back.nbytes != arr.nbytes or back[-1] != arr[-1]:
+        raise RuntimeError("the echo came back different")
+
+
+async def _measure_pair(callers: dict[str, _Caller], plan: Plan) -> dict[str, Any]:
+    """Tiny-call latency and echo bandwidth of the RPC and of its raw
+    transport, taking turns call by call (who goes first alternates too)."""
+    out: dict[str, Any] = {"errors": []}
+    names = list(callers)
+
+    def turns(i: int) -> list[str]:
+        return names if i % 2 == 0 else names[::-1]
+
+    for _ in range(plan.warmup_calls):
+        for name in names:
+            await callers[name].tiny()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.perf_counter
+    for i in range(plan.latency_calls):
+        for name in turns(i):
+            start = clock()
+            await callers[name].tiny()
+            samples[name].append(clock() - start)
+    for name in names:
+        ordered = sorted(samples[name])
+        out[name] = {"p50": ordered[len(ordered) // 2], "bw": {}}
+    for size, reps in zip(plan.sizes, plan.reps, strict=True):
+        arr = np.arange(size // 4, dtype=np.float32)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        try:
+            for name in names:
+                _check_echo(arr, await callers[name].tensor(arr))  # warm-up
+            for i in range(reps):
+                for name in turns(i):
+                    start = clock()
+                    back = await callers[name].tensor(arr)
+                    times[name].append(clock() - start)
+                    del back
+        except Exception as exc:  # one broken size does not hide the others
+            out["errors"].append(f"{size // MiB} MiB echo: {type(exc).__name__}: {exc}")
+            continue
+        for name in names:
+            out[name]["bw"][size] = 2 * size / statistics.median(times[name])
+    return out
+
+
+def client_main(done: Any, address: Any, variant: Variant, plan: Plan,
                 profile: str | None, only_cps64: bool, cpu: int | None = None) -> None:
     _pin(cpu)
-    cls = {"rpc": _RPCCaller, "raw": _RawCaller, "grpc": _GRPCCaller,
-           "floor": _FloorCaller}[variant.kind]
 
     async def main() -> dict[str, Any]:
+        if variant.kind == "pair":
+            rpc_address, raw_address = address
+            callers = {"rpc": await _RPCCaller().open(rpc_address),
+                       "raw": await _RawCaller().open(raw_address)}
+            try:
+                return await _measure_pair(callers, plan)
+            finally:
+                for caller in callers.values():
+                    await caller.close()
+        cls = {"rpc": _RPCCaller, "raw": _RawCaller, "grpc": _GRPCCaller,
+               "floor": _FloorCaller}[variant.kind]
         caller = await cls().open(address)
         try:
             return await _measure(caller, variant, plan, only_cps64)
@@ -485,6 +574,84 @@ def client_main(done: Any, address: str, variant: Variant, plan: Plan,
         done.put(("ok", result))
     except BaseException as exc:
         done.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+# --- instructions per call -------------------------------------------------------
+
+#: Calls of the two runs whose instruction counts are subtracted: start-up,
+#: imports and connecting cancel out, 10,000 calls remain.
+COUNT_RUNS = (3_000, 13_000)
+
+
+async def _calls_in_one_process(kind: str, calls: int) -> None:
+    """``calls`` tiny calls, 64 in flight, client and server on this loop."""
+    if kind == "rpc":
+        server = await _start_rpc("tcp://127.0.0.1:0")
+        caller: _Caller = await _RPCCaller().open(server.addresses[0])
+    else:
+        server = await asyncio.get_running_loop().create_server(_FloorEcho, "127.0.0.1", 0)
+        caller = await _FloorCaller().open(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    for _ in range(500):
+        await caller.tiny()
+    left = calls
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await caller.tiny()
+
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    await caller.close()
+    server.close()
+    if kind == "rpc":
+        await server.close()
+
+
+def instructions_per_call(kind: str) -> float | str:
+    """Instructions per tiny call of ``kind`` ("rpc" or "floor"), client and
+    server together; or why it could not be counted."""
+    import shutil
+    import subprocess
+
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        return "valgrind is not installed"
+    totals = []
+    for calls in COUNT_RUNS:
+        run = subprocess.run(
+            [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+             __file__, "--count-calls", kind, str(calls)],
+            capture_output=True, text=True, timeout=900)
+        found = [line for line in run.stderr.splitlines() if "Collected :" in line]
+        if run.returncode != 0 or not found:
+            return f"callgrind failed (exit {run.returncode}): {run.stderr[-300:]}"
+        totals.append(int(found[-1].split(":")[-1].replace(",", "").strip()))
+    return (totals[1] - totals[0]) / (COUNT_RUNS[1] - COUNT_RUNS[0])
+
+
+def _count_note(counts: dict[str, float | str]) -> str:
+    rpc, floor = counts.get("rpc"), counts.get("floor")
+    if not isinstance(rpc, float) or not isinstance(floor, float):
+        return ""
+    return (f"; a call costs {rpc:,.0f} instructions against the floor's {floor:,.0f} "
+            f"({rpc / floor:.0f}x)")
+
+
+def count_section(counts: dict[str, float | str]) -> list[str]:
+    out = ["", "## Instructions per tiny call", "",
+           "Counted by valgrind's callgrind: client and server in one process, "
+           f"{CONCURRENCY} calls in flight over one tcp:// loopback connection, the "
+           f"difference between runs of {COUNT_RUNS[1]:,} and {COUNT_RUNS[0]:,} calls "
+           "divided by their difference (start-up, imports and connecting cancel out). "
+           "The count repeats to within a fraction of a percent however busy the host is.",
+           "", "| variant | instructions per call (client + server) |", "|---|---:|"]
+    for kind, name in (("rpc", "tensorwire RPC tcp://"), ("floor", "asyncio Protocol floor")):
+        value = counts.get(kind)
+        out.append(f"| {name} | "
+                   + (f"{value:,.0f}" if isinstance(value, float) else f"not counted: {value}")
+                   + " |")
+    return out
 
 
 # --- orchestration -----------------------------------------------------------
@@ -549,6 +716,42 @@ def combine(results: list[dict[str, Any] | str]) -> dict[str, Any] | str:
     out["bw"] = {size: statistics.median([r["bw"][size] for r in good if size in r["bw"]])
                  for size in sizes}
     return out
+
+
+def combine_pair(results: list[dict[str, Any] | str]) -> dict[str, Any] | str:
+    """A paired variant's medians over the rounds, and each round's ratio of
+    the RPC to its raw transport (the ratio's median is what the targets use)."""
+    good = [r for r in results if isinstance(r, dict)]
+    if not good:
+        return str(results[0])
+    out: dict[str, Any] = {"errors": []}
+    for r in results:
+        out["errors"] += [e for e in (r["errors"] if isinstance(r, dict) else [r])
+                          if e not in out["errors"]]
+    out["p50_ratios"] = [r["rpc"]["p50"] / r["raw"]["p50"] for r in good]
+    out["p50_ratio"] = statistics.median(out["p50_ratios"])
+    out["shares"] = {}
+    for side in ("rpc", "raw"):
+        out[f"{side}_p50"] = statistics.median([r[side]["p50"] for r in good])
+        out[f"{side}_bw"] = {}
+    for size in sorted({size for r in good for size in r["rpc"]["bw"]}):
+        paired = [r for r in good if size in r["rpc"]["bw"] and size in r["raw"]["bw"]]
+        if not paired:
+            continue
+        for side in ("rpc", "raw"):
+            out[f"{side}_bw"][size] = statistics.median([r[side]["bw"][size] for r in paired])
+        out["shares"][size] = [r["rpc"]["bw"][size] / r["raw"]["bw"][size] for r in paired]
+    return out
+
+
+def _paired(rows: dict[str, dict[str, Any] | str], scheme: str) -> dict[str, Any] | None:
+    row = rows.get(f"paired {scheme}://")
+    return row if isinstance(row, dict) else None
+
+
+def _share(row: dict[str, Any] | None, size: int) -> float | None:
+    shares = None if row is None else row["shares"].get(size)
+    return statistics.median(shares) if shares else None
 
 
 def _spread(results: list[dict[str, Any] | str], key: str, fmt: Callable[[Any], str],
@@ -648,35 +851,41 @@ def _get(rows: dict[str, dict[str, Any] | str], name: str, key: str,
     return value if isinstance(value, int | float) else None
 
 
-def targets(rows: dict[str, dict[str, Any] | str], sizes: tuple[int, ...]) -> list[str]:
+def targets(rows: dict[str, dict[str, Any] | str], sizes: tuple[int, ...],
+            counts: dict[str, float | str] | None = None) -> list[str]:
     out = []
 
     def verdict(ok: bool | None) -> str:
         return "**not measured**" if ok is None else ("**met**" if ok else "**missed**")
 
     for scheme in ("tcp", "ucx"):
-        rpc_p50 = _get(rows, f"tensorwire RPC {scheme}://", "p50")
-        raw_p50 = _get(rows, f"raw transport {scheme}://", "p50")
-        ok = None if rpc_p50 is None or raw_p50 is None else rpc_p50 <= 1.5 * raw_p50
-        ratio = "" if ok is None else f" ({rpc_p50 / raw_p50:.2f}x)"  # type: ignore[operator]
-        out.append(f"- Tiny-call p50 within 1.5x of the raw {scheme}:// echo: {verdict(ok)} — "
-                   f"RPC {_us(rpc_p50)} µs vs raw {_us(raw_p50)} µs{ratio}")
+        pair = _paired(rows, scheme)
+        if pair is None:
+            out.append(f"- Tiny-call p50 within 1.5x of the raw {scheme}:// echo: "
+                       f"{verdict(None)}")
+            continue
+        ratio = pair["p50_ratio"]
+        out.append(f"- Tiny-call p50 within 1.5x of the raw {scheme}:// echo: "
+                   f"{verdict(ratio <= 1.5)} — {ratio:.2f}x (paired: RPC "
+                   f"{_us(pair['rpc_p50'])} µs vs raw {_us(pair['raw_p50'])} µs)")
     cps = _get(rows, "tensorwire RPC tcp://", "cps64")
     grpc_cps = _get(rows, "grpc.aio", "cps64")
     floor_cps = _get(rows, "asyncio Protocol floor", "cps64")
     out.append(f"- ≥ 50,000 tiny calls/s with 64 in flight on one tcp:// connection: "
                f"{verdict(None if cps is None else cps >= 50_000)} — {_rate(cps)} calls/s "
                f"(grpc.aio {_rate(grpc_cps)} calls/s; the bare asyncio Protocol floor "
-               f"{_rate(floor_cps)} calls/s)")
+               f"{_rate(floor_cps)} calls/s)" + _count_note(counts or {}))
     for scheme in ("tcp", "ucx"):
+        pair = _paired(rows, scheme)
         for size in sizes:
-            rpc_bw = _get(rows, f"tensorwire RPC {scheme}://", "bw", size)
-            raw_bw = _get(rows, f"raw transport {scheme}://", "bw", size)
-            ok = None if rpc_bw is None or raw_bw is None else rpc_bw >= 0.85 * raw_bw
-            share = "" if ok is None else f" ({100 * rpc_bw / raw_bw:.0f}%)"  # type: ignore[operator]
-            out.append(f"- {size // MiB} MiB echo over {scheme}:// ≥ 85% of the raw transport: "
-                       f"{verdict(ok)} — RPC {_gbps(rpc_bw)} GB/s vs raw {_gbps(raw_bw)} GB/s"
-                       f"{share}")
+            share = _share(pair, size)
+            line = (f"- {size // MiB} MiB echo over {scheme}:// ≥ 85% of the raw transport: "
+                    f"{verdict(None if share is None else share >= 0.85)}")
+            if pair is not None and share is not None:
+                line += (f" — {100 * share:.0f}% (paired: RPC "
+                         f"{_gbps(pair['rpc_bw'].get(size))} GB/s vs raw "
+                         f"{_gbps(pair['raw_bw'].get(size))} GB/s)")
+            out.append(line)
     grpc_bw = _get(rows, "grpc.aio", "bw", 64 * MiB)
     for scheme, factor in (("tcp", 5), ("ucx", 20)):
         rpc_bw = _get(rows, f"tensorwire RPC {scheme}://", "bw", 64 * MiB)
@@ -687,11 +896,54 @@ def targets(rows: dict[str, dict[str, Any] | str], sizes: tuple[int, ...]) -> li
     return out
 
 
+def paired_section(rows: dict[str, dict[str, Any] | str], pairs: list[str],
+                   plan: Plan) -> list[str]:
+    out = ["", "## RPC against its raw transport, paired", "",
+           "One server process hosts the RPC echo and the raw transport echo side by side; "
+           "one client process takes turns between them, call by call and echo by echo "
+           "(who goes first alternates), so that both see the same process placement and "
+           "the same moment of this shared host. Latency: the median over "
+           f"{plan.latency_calls:,} turns each; bandwidth: as above. The ratio is the "
+           "median over the rounds of each round's ratio (min to max in brackets); the "
+           "targets that compare the RPC with its transport use these ratios.", "",
+           "| transport | tiny p50, RPC / raw (µs) | RPC ÷ raw | "
+           + " | ".join(f"{s // MiB} MiB, RPC / raw (GB/s) | RPC share" for s in plan.sizes)
+           + " |",
+           "|---|---:|---:|" + "---:|---:|" * len(plan.sizes)]
+
+    def bracket(values: list[float], fmt: Callable[[float], str]) -> str:
+        if len(values) < 2:
+            return ""
+        return f" ({fmt(min(values))} to {fmt(max(values))})"
+
+    for name in pairs:
+        row = rows[name]
+        scheme = name.split()[-1]
+        if isinstance(row, str):
+            out.append(f"| {scheme} | did not run | | " + "| |" * len(plan.sizes))
+            continue
+        ratios = row["p50_ratios"]
+        cells = [f"{_us(row['rpc_p50'])} / {_us(row['raw_p50'])}",
+                 f"{row['p50_ratio']:.2f}x" + bracket(ratios, lambda v: f"{v:.2f}x")]
+        for size in plan.sizes:
+            shares = row["shares"].get(size)
+            if not shares:
+                cells += ["—", "—"]
+                continue
+            cells.append(f"{_gbps(row['rpc_bw'].get(size))} / {_gbps(row['raw_bw'].get(size))}")
+            cells.append(f"{100 * statistics.median(shares):.0f}%"
+                         + bracket(shares, lambda v: f"{100 * v:.0f}%"))
+        out.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    return out
+
+
 def write_results(path: Path, plan: Plan, rows: dict[str, dict[str, Any] | str],
                   command: str, elapsed: float, load_before: str,
                   runs: dict[str, list[dict[str, Any] | str]] | None = None, *,
-                  pin: bool = False) -> None:
-    names = list(rows)
+                  pin: bool = False, counts: dict[str, float | str] | None = None) -> None:
+    kinds = {v.name: v.kind for v in VARIANTS}
+    names = [name for name in rows if kinds[name] != "pair"]
+    pairs = [name for name in rows if kinds[name] == "pair"]
 
     def cell(name: str, text: str) -> str:
         return "did not run" if isinstance(rows[name], str) else text
@@ -743,10 +995,16 @@ def write_results(path: Path, plan: Plan, rows: dict[str, dict[str, Any] | str],
                 + " | ".join(f"{s // MiB} MiB (GB/s)" for s in plan.sizes) + " |",
                 "|---|---:|---:|" + "---:|" * len(plan.sizes)]
         for name, results in runs.items():
+            if kinds[name] == "pair":
+                continue
             cells = [_spread(results, "p50", _us), _spread(results, "cps64", _rate)]
             cells += [_spread(results, "bw", _gbps, s) for s in plan.sizes]
             out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out += ["", "## Targets", "", *targets(rows, plan.sizes), ""]
+    if pairs:
+        out += paired_section(rows, pairs, plan)
+    if counts:
+        out += count_section(counts)
+    out += ["", "## Targets", "", *targets(rows, plan.sizes, counts), ""]
     problems = []
     for name, row in rows.items():
         if isinstance(row, str):
@@ -792,6 +1050,10 @@ def main() -> None:
                         help="pin every server to the first allowed CPU and every client to "
                              "the second (default: the OS places them)")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--instructions", action="store_true",
+                        help="only count the instructions per tiny call (needs valgrind)")
+    parser.add_argument("--count-calls", nargs=2, metavar=("KIND", "CALLS"),
+                        help=argparse.SUPPRESS)  # the process that --instructions counts
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="only cProfile tensorwire RPC over tcp:// with 64 calls in flight, "
                              "writing DIR/client.prof and DIR/server.prof")
@@ -799,6 +1061,16 @@ def main() -> None:
                         help="with --profile: 'none' runs the case unprofiled, for an outside "
                              "sampler (py-spy record --subprocesses -- python bench/rpc.py ...)")
     args = parser.parse_args()
+    if args.count_calls:
+        import uvloop
+
+        kind, calls = args.count_calls
+        uvloop.run(_calls_in_one_process(kind, int(calls)))
+        return
+    if args.instructions:
+        for kind in ("rpc", "floor"):
+            print(f"{kind}: {instructions_per_call(kind)} instructions per call")
+        return
     plan = Plan.quick() if args.quick else Plan()
     if args.profile is not None:
         profile(args.profile, plan, cprofile=args.profiler == "cprofile", pin=args.pin)
@@ -814,9 +1086,17 @@ def main() -> None:
             result = run_variant(variant, plan, timeout=240, pin=args.pin)
             runs.setdefault(variant.name, []).append(result)
             print(f"  {result}", file=sys.stderr)
-    rows = {name: combine(results) for name, results in runs.items()}
+    counts: dict[str, float | str] = {}
+    if not args.quick:
+        for kind in ("rpc", "floor"):
+            print(f"counting the instructions of a tiny call: {kind} ...", file=sys.stderr)
+            counts[kind] = instructions_per_call(kind)
+    kinds = {v.name: v.kind for v in VARIANTS}
+    rows = {name: (combine_pair(results) if kinds[name] == "pair" else combine(results))
+            for name, results in runs.items()}
     write_results(args.output, plan, rows, " ".join(["python", *sys.argv]),
-                  time.perf_counter() - started, load_before, runs, pin=args.pin)
+                  time.perf_counter() - started, load_before, runs, pin=args.pin,
+                  counts=counts)
 
 
 if __name__ == "__main__":
