@@ -182,11 +182,14 @@ class _Session:
 
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
         if type(message) is protocol.Response:
-            # The hot path: a unary call's answer.
+            # The hot path: a unary call's answer (deliver(), inlined).
             pending = self.pending.get(message.call_id)
             if pending is not None:
                 pending.metrics.bytes_in += nbytes
-                pending.deliver(message)
+                if pending.items is not None:
+                    pending.deliver(message)
+                elif not pending.future.done():
+                    pending.future.set_result(message)
             return
         if isinstance(message, protocol.Pong):
             return
@@ -409,9 +412,17 @@ class Client:
         """
         started = time.perf_counter()
         session = self._session
-        if session is None or not session.alive:
+        # session.alive, inlined
+        channel = None if session is None else session.channel
+        if session is None or channel is None or channel.error is not None:
             session = await self._ready_by(deadline, method)
-        args, source, stream_arg = _split_stream(args)
+            channel = _channel(session)
+        for arg in args:
+            if type(arg) not in _PLAIN:
+                args, source, stream_arg = _split_stream(args)
+                break
+        else:  # the usual case, without _split_stream's calls
+            source, stream_arg = None, -1
         # A list, not the tuple: msgpack packs a list in C, a tuple through
         # a Python callback (the server takes either).
         header, buffers = self._encoder.encode([list(args), kwargs])
@@ -435,7 +446,7 @@ class Client:
                 pump: asyncio.Task[None] | None = None
                 try:
                     remaining = max(deadline - loop.time(), 0.0)
-                    metrics.bytes_out += _channel(session).post(
+                    metrics.bytes_out += channel.post(
                         protocol.Request(call_id, method, remaining, stream_arg, payload)
                     )
                     if source is not None:

@@ -222,6 +222,7 @@ _CLASSES: dict[int, type[Message]] = {
 #: The kinds with a binary header and a value (no msgpack header starts with
 #: these bytes: a msgpack header is an array).
 _BINARY = frozenset({Kind.REQUEST, Kind.RESPONSE, Kind.ITEM})
+_REQUEST_KIND, _RESPONSE, _ITEM = int(Kind.REQUEST), int(Kind.RESPONSE), int(Kind.ITEM)
 #: Field name -> the Python types a peer may send for it.
 _TYPES: dict[str, tuple[type, ...]] = {
     "version": (int,),
@@ -272,46 +273,34 @@ def _encode_request(message: Request) -> list[Any]:
     return [head + method + value[0], *value[1:]]
 
 
-def _parse_binary(kind: int, view: memoryview, frames: Sequence[Any]) -> Message:
-    """REQUEST, RESPONSE or ITEM: the fixed header, then the serde header."""
+def _parse_request(view: memoryview, frames: Sequence[Any]) -> Request:
+    """REQUEST: the fixed header, the method name, then the serde header."""
     size = view.nbytes
-    if kind == Kind.REQUEST:
-        if size < _REQUEST.size:
-            raise ProtocolError(f"REQUEST header of {size} bytes is cut short")
-        _, flags, length, stream_arg, call_id, timeout = _REQUEST.unpack_from(view)
-        start = _REQUEST.size + length
-        if flags & ~_HAS_TIMEOUT:
-            raise ProtocolError(f"unknown REQUEST flags {flags:#x}")
-        if stream_arg < -1:
-            raise ProtocolError(f"bad REQUEST stream_arg {stream_arg}")
-        if flags:
-            # NaN would corrupt the server's timer heap; negative or
-            # infinite deadlines have no meaning.
-            if not (0 <= timeout < _MAX_TIMEOUT):
-                raise ProtocolError(
-                    f"REQUEST timeout must be finite and >= 0, got {timeout!r}"
-                )
-        elif timeout != 0 or math.copysign(1, timeout) < 0:
-            raise ProtocolError("REQUEST without a timeout must carry 0.0 there")
-        if size <= start:
-            raise ProtocolError("REQUEST without its value")
-        try:
-            method = str(view[_REQUEST.size : start], "utf-8")
-        except UnicodeDecodeError:
-            raise ProtocolError("REQUEST method name is not UTF-8") from None
-        if call_id >= 1 << 63:
-            raise ProtocolError(f"bad call id {call_id}")
-        return Request(call_id, method, timeout if flags else None, stream_arg,
-                       [view[start:], *frames[1:]])
-    if size <= _REPLY.size:
-        raise ProtocolError(f"{Kind(kind).name} without its value")
-    _, zero1, zero2, zero3, call_id = _REPLY.unpack_from(view)
-    if zero1 or zero2 or zero3:
-        raise ProtocolError(f"nonzero reserved bytes in a {Kind(kind).name} header")
+    if size < _REQUEST.size:
+        raise ProtocolError(f"REQUEST header of {size} bytes is cut short")
+    _, flags, length, stream_arg, call_id, timeout = _REQUEST.unpack_from(view)
+    start = _REQUEST.size + length
+    if flags & ~_HAS_TIMEOUT:
+        raise ProtocolError(f"unknown REQUEST flags {flags:#x}")
+    if stream_arg < -1:
+        raise ProtocolError(f"bad REQUEST stream_arg {stream_arg}")
+    if flags:
+        # NaN would corrupt the server's timer heap; negative or infinite
+        # deadlines have no meaning.
+        if not (0 <= timeout < _MAX_TIMEOUT):
+            raise ProtocolError(f"REQUEST timeout must be finite and >= 0, got {timeout!r}")
+    elif timeout != 0 or math.copysign(1, timeout) < 0:
+        raise ProtocolError("REQUEST without a timeout must carry 0.0 there")
+    if size <= start:
+        raise ProtocolError("REQUEST without its value")
+    try:
+        method = str(view[_REQUEST.size : start], "utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("REQUEST method name is not UTF-8") from None
     if call_id >= 1 << 63:
         raise ProtocolError(f"bad call id {call_id}")
-    value = [view[_REPLY.size :], *frames[1:]]
-    return Response(call_id, value) if kind == Kind.RESPONSE else Item(call_id, value)
+    return Request(call_id, method, timeout if flags else None, stream_arg,
+                   [view[start:], *frames[1:]])
 
 
 def parse(frames: Sequence[Any]) -> Message:
@@ -328,8 +317,22 @@ def parse(frames: Sequence[Any]) -> Message:
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     size = view.nbytes
-    if size and view[0] in _BINARY:
-        return _parse_binary(view[0], view, frames)
+    if size:
+        kind = view[0]
+        if kind in (_RESPONSE, _ITEM):
+            # A reply: the fixed header, then the serde header (here, not in
+            # a function of its own: this runs for every call).
+            if size <= _REPLY.size:
+                raise ProtocolError(f"{Kind(kind).name} without its value")
+            _, zero1, zero2, zero3, call_id = _REPLY.unpack_from(view)
+            if zero1 or zero2 or zero3:
+                raise ProtocolError(f"nonzero reserved bytes in a {Kind(kind).name} header")
+            if call_id >= 1 << 63:
+                raise ProtocolError(f"bad call id {call_id}")
+            value = [view[_REPLY.size :], *frames[1:]]
+            return Response(call_id, value) if kind == _RESPONSE else Item(call_id, value)
+        if kind == _REQUEST_KIND:
+            return _parse_request(view, frames)
     if size > MAX_HEADER_BYTES:
         raise ProtocolError(f"RPC header of {size} bytes exceeds {MAX_HEADER_BYTES}")
     try:

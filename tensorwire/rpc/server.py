@@ -388,7 +388,10 @@ class _Session:
         try:
             try:
                 args, kwargs = _unpack_arguments(request, handler, self.server._decoder)
-                _check_arguments(handler, args, kwargs)
+                try:  # _check_arguments, inlined
+                    handler.check(args, kwargs)
+                except TypeError as exc:
+                    raise _invalid_arguments(handler, exc) from None
                 coro = handler.func(*args, **kwargs)
                 try:
                     # A context of its own, as a task would have.
@@ -488,8 +491,12 @@ def _check_arguments(handler: _Handler, args: list[Any], kwargs: dict[str, Any])
     try:
         handler.check(args, kwargs)
     except TypeError as exc:
-        shown = signature_text(handler.info.signature)
-        raise InvalidArgument(f"arguments do not fit {handler.name}{shown}: {exc}") from None
+        raise _invalid_arguments(handler, exc) from None
+
+
+def _invalid_arguments(handler: _Handler, error: TypeError) -> InvalidArgument:
+    shown = signature_text(handler.info.signature)
+    return InvalidArgument(f"arguments do not fit {handler.name}{shown}: {error}")
 
 
 def _never_suspends(func: Callable[..., Any]) -> bool:
