@@ -721,15 +721,21 @@ def run_variant(variant: Variant, plan: Plan, timeout: float, *,
 # --- the report ----------------------------------------------------------------
 
 
+def _errors(results: list[dict[str, Any] | str]) -> list[str]:
+    """Every distinct error of the rounds, in order (a round that did not
+    run is its error)."""
+    errors: list[str] = []
+    for r in results:
+        errors += [e for e in (r["errors"] if isinstance(r, dict) else [r]) if e not in errors]
+    return errors
+
+
 def combine(results: list[dict[str, Any] | str]) -> dict[str, Any] | str:
     """The median of each number over the rounds that ran; the first error if none did."""
     good = [r for r in results if isinstance(r, dict)]
     if not good:
         return str(results[0])
-    out: dict[str, Any] = {"errors": []}
-    for r in results:
-        out["errors"] += [e for e in (r["errors"] if isinstance(r, dict) else [r])
-                          if e not in out["errors"]]
+    out: dict[str, Any] = {"errors": _errors(results)}
     for key in ("p50", "p99", "cps1", "cps64"):
         values = [r[key] for r in good if key in r]
         if values:
@@ -747,10 +753,7 @@ def combine_pair(results: list[dict[str, Any] | str], other: str) -> dict[str, A
     good = [r for r in results if isinstance(r, dict)]
     if not good:
         return str(results[0])
-    out: dict[str, Any] = {"errors": []}
-    for r in results:
-        out["errors"] += [e for e in (r["errors"] if isinstance(r, dict) else [r])
-                          if e not in out["errors"]]
+    out: dict[str, Any] = {"errors": _errors(results)}
     out["p50_ratios"] = [r["rpc"]["p50"] / r[other]["p50"] for r in good]
     out["p50_ratio"] = statistics.median(out["p50_ratios"])
     out["shares"] = {}
