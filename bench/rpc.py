@@ -27,7 +27,7 @@ UCX reads its settings once per process, so each variant gets fresh ones):
 - instructions per tiny call, counted by valgrind's callgrind with the
   client and the server in one process (64 calls in flight over tcp://
   loopback): the RPC against the floor above. Unlike times on this shared
-  host, the count repeats to within a fraction of a percent, so it tracks
+  host, the count repeats to within about half a percent, so it tracks
   the cost of a call from one commit to the next. Skipped without valgrind.
 
 Measurements: a tiny call's latency (p50/p99, one call in flight) and calls
@@ -625,9 +625,10 @@ async def _calls_in_one_process(kind: str, calls: int) -> None:
 
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
     await caller.close()
-    server.close()
     if kind == "rpc":
         await server.close()
+    else:
+        server.close()
 
 
 def instructions_per_call(kind: str) -> float | str:
@@ -666,7 +667,7 @@ def count_section(counts: dict[str, float | str]) -> list[str]:
            f"{CONCURRENCY} calls in flight over one tcp:// loopback connection, the "
            f"difference between runs of {COUNT_RUNS[1]:,} and {COUNT_RUNS[0]:,} calls "
            "divided by their difference (start-up, imports and connecting cancel out). "
-           "The count repeats to within a fraction of a percent however busy the host is.",
+           "The count repeats to within about half a percent however busy the host is.",
            "", "| variant | instructions per call (client + server) |", "|---|---:|"]
     for kind, name in (("rpc", "tensorwire RPC tcp://"), ("floor", "asyncio Protocol floor")):
         value = counts.get(kind)

@@ -50,9 +50,6 @@ __all__ = ("Reflection", "Server")
 
 logger = logging.getLogger(__name__)
 
-#: What a request's value and its positional arguments may be.
-_SEQUENCES = frozenset({list, tuple})
-
 
 class Reflection(Service):
     """Built into every server: what it hosts."""
@@ -476,11 +473,13 @@ def _unpack_arguments(
         value = decoder.decode(frames[0], frames[1:])
     except serde.DecodeError as exc:
         raise InvalidArgument(f"the arguments of {handler.name} do not decode: {exc}") from None
+    # isinstance with a tuple of types: a union (list | tuple) is built anew
+    # on every call.
     if (
-        type(value) not in _SEQUENCES
+        not isinstance(value, (list, tuple))
         or len(value) != 2
-        or type(value[0]) not in _SEQUENCES
-        or type(value[1]) is not dict
+        or not isinstance(value[0], (list, tuple))
+        or not isinstance(value[1], dict)
     ):
         raise InvalidArgument("a request's value must be [args, kwargs]")
     args = value[0]
