@@ -26,9 +26,11 @@ UCX reads its settings once per process, so each variant gets fresh ones):
 
 - instructions per tiny call, counted by valgrind's callgrind with the
   client and the server in one process (64 calls in flight over tcp://
-  loopback): the RPC against the floor above. Unlike times on this shared
-  host, the count repeats to within about half a percent, so it tracks
-  the cost of a call from one commit to the next. Skipped without valgrind.
+  loopback): the RPC against the floor above. Times on this shared host
+  swing by half or more within an hour; the count moves by a few percent
+  from run to run (how many messages one read takes in still depends on
+  timing; the floor's small count moves most), so it tracks the cost of a
+  call from one commit to the next far better. Skipped without valgrind.
 
 Measurements: a tiny call's latency (p50/p99, one call in flight) and calls
 per second with 1 and 64 calls in flight; echo bandwidth of a float32 tensor
@@ -667,7 +669,9 @@ def count_section(counts: dict[str, float | str]) -> list[str]:
            f"{CONCURRENCY} calls in flight over one tcp:// loopback connection, the "
            f"difference between runs of {COUNT_RUNS[1]:,} and {COUNT_RUNS[0]:,} calls "
            "divided by their difference (start-up, imports and connecting cancel out). "
-           "The count repeats to within about half a percent however busy the host is.",
+           "The count moves by a few percent from run to run (how many messages one read "
+           "takes in still depends on timing; the floor's small count moves most), where "
+           "times on this host swing by half or more.",
            "", "| variant | instructions per call (client + server) |", "|---|---:|"]
     for kind, name in (("rpc", "tensorwire RPC tcp://"), ("floor", "asyncio Protocol floor")):
         value = counts.get(kind)
