@@ -6,19 +6,23 @@ Transports never look inside a frame.
 """
 
 from ._base import Allocator, Connection, ConnectionHandler, FrameInfo, Listener, default_allocator
+from ._pool import BufferPool, PoolStats, buffer_pool
 from ._registry import Backend, connect, listen, register_transport
 from .config import Limits, TransportConfig, UCXOptions
 
 __all__ = (
     "Allocator",
     "Backend",
+    "BufferPool",
     "Connection",
     "ConnectionHandler",
     "FrameInfo",
     "Limits",
     "Listener",
+    "PoolStats",
     "TransportConfig",
     "UCXOptions",
+    "buffer_pool",
     "connect",
     "default_allocator",
     "listen",

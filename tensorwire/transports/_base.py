@@ -15,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import ConnectionClosedError, LimitExceededError, TransportError
+from ._pool import POOL_MIN_BYTES, buffer_pool
 from .config import Limits
 
 __all__ = (
@@ -59,7 +60,12 @@ ConnectionHandler = Callable[["Connection"], Awaitable[None]]
 
 
 def host_empty(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """A writable uint8 array of ``nbytes`` whose data is ALIGNMENT-aligned."""
+    """A writable uint8 array of ``nbytes`` whose data is ALIGNMENT-aligned.
+
+    Large ones come from the process's :func:`buffer_pool`.
+    """
+    if nbytes >= POOL_MIN_BYTES:
+        return buffer_pool().empty(nbytes, align=ALIGNMENT)
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     # ctypes.addressof(c_char.from_buffer()) costs half of ``raw.ctypes.data``,
     # and this runs for every message received.
@@ -77,7 +83,10 @@ def device_empty(nbytes: int) -> Any:
 
 
 def default_allocator(info: FrameInfo) -> Any:
-    """Allocate each frame at its exact size where it belongs."""
+    """Allocate each frame at its exact size where it belongs.
+
+    Host frames of ``POOL_MIN_BYTES`` and more come from :func:`buffer_pool`.
+    """
     if info.device == "cuda":
         return device_empty(info.nbytes)
     return host_empty(info.nbytes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from tensorwire.transports import (
     Limits,
     Listener,
     TransportConfig,
+    buffer_pool,
     connect,
     listen,
 )
@@ -639,3 +641,33 @@ async def test_a_failing_receiver_aborts_the_connection(listen_url: str) -> None
         with pytest.raises(TransportError, match="receiver bug"):
             await asyncio.wait_for(conn.recv(), 30)
         assert conn.closed
+
+
+async def test_large_frames_land_in_freed_buffers_and_never_in_held_ones(listen_url: str) -> None:
+    if listen_url.startswith("inproc"):
+        pytest.skip("inproc:// passes frames by reference (see its docs)")
+    size = 3 << 20
+    pool = buffer_pool()
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        held = []
+        for seed in range(3):
+            await conn.send([pattern(size, seed)])
+            held.append((await conn.recv())[0])
+        starts = sorted(frame.ctypes.data for frame in held)
+        assert all(b - a >= size for a, b in itertools.pairwise(starts))
+        for seed, frame in enumerate(held):
+            assert np.array_equal(frame, pattern(size, seed))
+        held.clear()
+        # Both ends' receive buffers now circulate through the pool: after a
+        # warm-up, echoes allocate nothing new.
+        for seed in range(3):
+            await conn.send([pattern(size, seed)])
+            del_me = await conn.recv()
+            del del_me
+        misses = pool.stats().misses
+        for seed in range(5):
+            await conn.send([pattern(size, seed)])
+            (frame,) = await conn.recv()
+            assert np.array_equal(frame, pattern(size, seed))
+            del frame
+        assert pool.stats().misses == misses
