@@ -4,8 +4,10 @@ A fresh large allocation is new pages from the kernel, and the first write to
 each page faults: on the benchmark host, filling a fresh 64 MiB array ran at
 about 6 GB/s against 9 GB/s for one already touched, and glibc hands blocks
 above 32 MiB back to the kernel on ``free``, so a loop that receives the same
-large tensors step after step paid for new pages on every step. With the
-pool, ``bench/rpc.py``'s 64 MiB echo over ucx:// went from 3.87 to 7.68 GB/s.
+large tensors step after step paid for new pages on every step. Run back to
+back with the pool off (``TENSORWIRE_BUFFER_POOL_BYTES=0``) and on,
+``bench/rpc.py --quick --rounds 1`` gave 3.84 and 6.17 GB/s for the paired
+64 MiB RPC echo over ucx:// (docs/transports.md, "Receive buffers").
 
 How a buffer comes back
     :meth:`BufferPool.empty` returns a NumPy array whose ``base`` is a small
@@ -16,18 +18,26 @@ How a buffer comes back
     never while someone can still read or write it.
 
 What it keeps
-    Blocks of ``POOL_MIN_BYTES`` and more (smaller ones come from malloc's
-    heap, already touched), rounded up to one of 16 sizes per power of two so
-    that near sizes share blocks. At most ``max_bytes`` of idle blocks are
-    kept, the least recently returned dropped first, and a block idle for
+    The receive paths ask it for buffers of ``POOL_MIN_BYTES`` and more
+    (smaller ones come from malloc's heap, already touched). Sizes are
+    rounded up to one of 8 per power of two (at most 12.5% more), so that
+    near sizes share blocks. At most ``max_bytes`` of idle blocks are kept,
+    the least recently returned dropped first, and a block idle for
     ``idle_s`` seconds is dropped at the pool's next use. ``max_bytes=0``
     turns the pool off. A reused block holds old data, as ``np.empty`` may:
     receivers overwrite every byte they hand out.
+
+What it cannot see
+    Raw addresses (``arr.ctypes.data``, ``tensor.data_ptr()``) hold no
+    reference: memory used through one after the array is gone may be
+    reused, as freed memory may be without a pool. UCX requests keep their
+    buffers referenced until UCX lets go of them (``_ucx_runtime``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -41,9 +51,11 @@ from ..errors import ConfigError
 
 __all__ = ("POOL_MIN_BYTES", "BufferPool", "PoolStats", "buffer_pool")
 
-#: Requests below this size are not pooled.
+logger = logging.getLogger(__name__)
+
+#: The receive paths pool buffers of this size and more.
 POOL_MIN_BYTES = 1 << 20
-#: Blocks are rounded up to this many sizes per power of two.
+#: Blocks are rounded up to one of 2 ** (_CLASS_BITS - 1) sizes per power of two.
 _CLASS_BITS = 4
 #: Environment variable that sets the process pool's ``max_bytes``.
 ENV_MAX_BYTES = "TENSORWIRE_BUFFER_POOL_BYTES"
@@ -152,9 +164,14 @@ class BufferPool:
         Raises:
             ValueError: ``nbytes`` is negative or ``align`` is not positive.
         """
-        if nbytes < 0 or align < 1:
-            raise ValueError(f"cannot allocate {nbytes} bytes aligned to {align}")
-        size = _block_size(nbytes + align)
+        if (isinstance(nbytes, bool) or not isinstance(nbytes, int | np.integer) or nbytes < 0
+                or isinstance(align, bool) or not isinstance(align, int | np.integer)
+                or align < 1):
+            raise ValueError(f"cannot allocate {nbytes!r} bytes aligned to {align!r}")
+        nbytes, align = int(nbytes), int(align)
+        # The slack for alignment comes on top of the rounded size, so that a
+        # power-of-two tensor gets a block of its own size class.
+        size = _block_size(nbytes) + align
         block = None
         with self._section():
             now = time.monotonic()
@@ -190,7 +207,9 @@ class BufferPool:
             self._deferred.append(block)
             return
         with self._section():
-            self._keep(block, time.monotonic())
+            now = time.monotonic()
+            self._trim(now)
+            self._keep(block, now)
 
     def _section(self) -> _Section:
         return _Section(self)
@@ -244,9 +263,16 @@ class _Section:
         try:
             if self._outer:
                 now = time.monotonic()
-                while pool._deferred:
-                    pool._keep(pool._deferred.pop(), now)
-                pool._owner = None
+                while True:
+                    while pool._deferred:
+                        pool._keep(pool._deferred.pop(), now)
+                    pool._owner = None
+                    # A collection between the last check and here gave its
+                    # block to _deferred; one after goes through the lock
+                    # (re-entrant) itself.
+                    if not pool._deferred:
+                        break
+                    pool._owner = threading.get_ident()
         finally:
             pool._lock.release()
 
@@ -267,12 +293,18 @@ def _track_for_fork(pool: BufferPool) -> None:
 
 
 def _after_fork_in_child() -> None:
+    # Another thread may have been half-way through a change of the pool's
+    # structures: the child starts with an empty pool (the idle blocks are
+    # freed; blocks in use come back as usual).
     global _process_pool_lock
     _process_pool_lock = threading.Lock()
     for pool in list(_pools):
         pool._lock = threading.RLock()
         pool._owner = None
         pool._deferred = []
+        pool._idle = OrderedDict()
+        pool._by_size = {}
+        pool._cached = 0
 
 
 _process_pool: BufferPool | None = None
@@ -284,20 +316,27 @@ def buffer_pool() -> BufferPool:
 
     Created at first use, with ``max_bytes`` from the environment variable
     ``TENSORWIRE_BUFFER_POOL_BYTES`` if set (``0`` turns it off), else 1 GiB.
-
-    Raises:
-        ConfigError: the environment variable is not a byte count.
+    A value that is not a byte count is logged as a warning and the default
+    used: this runs inside receives, which must not fail over it.
     """
     global _process_pool
     if _process_pool is None:
         with _process_pool_lock:
             if _process_pool is None:
-                raw = os.environ.get(ENV_MAX_BYTES)
-                try:
-                    max_bytes = DEFAULT_MAX_BYTES if raw is None else int(raw)
-                except ValueError:
-                    raise ConfigError(
-                        f"{ENV_MAX_BYTES} must be a byte count, got {raw!r}"
-                    ) from None
-                _process_pool = BufferPool(max_bytes=max_bytes)
+                _process_pool = BufferPool(max_bytes=_max_bytes_from_environment())
     return _process_pool
+
+
+def _max_bytes_from_environment() -> int:
+    raw = os.environ.get(ENV_MAX_BYTES)
+    if raw is None:
+        return DEFAULT_MAX_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        logger.warning("%s=%r is not a byte count; the buffer pool keeps up to %d bytes",
+                       ENV_MAX_BYTES, raw, DEFAULT_MAX_BYTES)
+        return DEFAULT_MAX_BYTES
+    return value

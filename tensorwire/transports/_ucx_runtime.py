@@ -50,6 +50,11 @@ _WATCHDOG_S = 0.5
 _applied_env: dict[str, str] | None = None
 #: The live runtime, if any (the process has at most one UCX worker).
 _runtime: Runtime | None = None
+#: Buffers of requests UCX had not finished when its worker was destroyed.
+#: A peer may still write into them (CMA and RDMA write straight into this
+#: process's memory; a matched receive of a large message cannot be
+#: cancelled), so they are never freed, or reused by the buffer pool.
+_abandoned: list[Any] = []
 
 Callback = Callable[[Any], None]
 
@@ -204,14 +209,22 @@ class Runtime:
             self._watchdog.cancel()
             self._watchdog = None
         # Let cancelled requests finish so UCX no longer writes into buffers
-        # we are about to drop.
+        # we are about to drop; the buffers of those that do not are kept.
         for _ in range(_PROGRESS_ROUNDS):
             if not self._pending:
                 break
             self._progress()
+        unfinished = [keep for request, keep, _ in self._pending if not request.completed]
         for _, _, callback in self._pending:
             callback(None)
         self._pending.clear()
+        if unfinished:
+            _abandoned.extend(unfinished)
+            logger.warning(
+                "UCX worker stopped with %d transfer(s) unfinished; their %d bytes of buffers "
+                "stay allocated for the process's life, since a peer may still write into them",
+                len(unfinished), sum(getattr(keep, "nbytes", 0) for keep in unfinished),
+            )
         del self.worker
         del self.context
         logger.debug("UCX worker stopped")

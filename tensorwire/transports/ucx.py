@@ -135,6 +135,10 @@ _ONE_INLINE = struct.Struct("<BBHIQQ")
 _CONTROL_LIMITS = Limits(max_frame_bytes=64 * 1024, max_frames=4, max_message_bytes=128 * 1024)
 
 
+def _ignore_completion(request: Any) -> None:
+    """The completion of a send whose connection had already failed."""
+
+
 def _table_size(nframes: int) -> int:
     return 8 * nframes + (nframes + 7) // 8 * 8
 
@@ -465,6 +469,10 @@ class UCXConnection(Connection):
                 else:
                     waiting.append((request, array))
         except Exception as exc:
+            # What was posted before the failure may still be read by UCX:
+            # its buffers stay referenced until UCX lets go of them.
+            for request, array in waiting:
+                rt.watch(request, array, _ignore_completion)
             error = translate(rt, exc, f"send to {self._peer_address} failed")
             self._fail(
                 error

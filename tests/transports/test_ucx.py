@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import logging
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from tensorwire.transports import (
     Listener,
     TransportConfig,
     UCXOptions,
+    buffer_pool,
     connect,
     listen,
 )
@@ -188,6 +190,43 @@ async def test_runtime_is_gone_after_the_last_connection() -> None:
         assert _ucx_runtime.active_runtime() is not None
         await conn.close()
     assert _ucx_runtime.active_runtime() is None
+
+
+class _UnfinishedRequest:
+    """A UCX request that never completes, as a matched receive of a large
+    message does while its sender is stopped: UCX cannot cancel it, and the
+    sender may still write into its buffer (CMA, RDMA) whenever it resumes."""
+
+    completed = False
+
+
+async def test_buffers_of_transfers_unfinished_when_the_worker_stops_are_never_freed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tensorwire.transports import _ucx_runtime
+
+    if _ucx_runtime.active_runtime() is not None:
+        pytest.skip("another ucx:// test left the runtime running")
+    runtime = _ucx_runtime.acquire(UCXOptions())
+    buffer = buffer_pool().empty(2 << 20)
+    where = buffer.ctypes.data
+    completions: list[Any] = []
+    runtime.watch(_UnfinishedRequest(), buffer, completions.append)
+    del buffer
+    try:
+        with caplog.at_level(logging.WARNING, logger=_ucx_runtime.__name__):
+            runtime.release()
+        assert not runtime.alive
+        assert completions == [None]
+        assert "1 transfer(s) unfinished" in caplog.text
+        assert [keep.ctypes.data for keep in _ucx_runtime._abandoned[-1:]] == [where]
+        other = buffer_pool().empty(2 << 20)
+        assert other.ctypes.data != where
+    finally:
+        # Nothing can write into this one (no UCX request has it): let it go.
+        _ucx_runtime._abandoned[:] = [
+            keep for keep in _ucx_runtime._abandoned if keep.ctypes.data != where
+        ]
 
 
 async def test_addresses_are_ucx_urls() -> None:
