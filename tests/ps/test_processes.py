@@ -41,6 +41,18 @@ def pool() -> Iterator[concurrent.futures.ProcessPoolExecutor]:
         yield executor
 
 
+@pytest.fixture
+def resume() -> Iterator[Any]:
+    """An event workers in the pool can wait for; set on the way out, so a
+    failed test leaves no worker waiting."""
+    with multiprocessing.get_context("spawn").Manager() as manager:
+        event = manager.Event()
+        try:
+            yield event
+        finally:
+            event.set()
+
+
 @contextlib.asynccontextmanager
 async def shards(url: str, count: int = 2, *options: str) -> AsyncIterator[list[str]]:
     async with contextlib.AsyncExitStack() as stack:
@@ -127,8 +139,14 @@ async def test_compressed_sync_training_stays_close(pool: concurrent.futures.Exe
 
 @pytest.mark.parametrize("url", URLS)
 async def test_a_killed_shard_restores_its_checkpoint_and_training_continues(
-        pool: concurrent.futures.Executor, tmp_path: Path, url: str) -> None:
+        pool: concurrent.futures.Executor, resume: Any, tmp_path: Path, url: str) -> None:
     steps, optimizer = 30, ps.SGD(lr=0.02, momentum=0.5)
+    # The last worker waits before pushing step `held` until the shard was
+    # restarted, so no shard gets past step `held` before the kill: without
+    # that, a test process held up for some twenty steps killed the shard
+    # after training had finished, and it restored a checkpoint behind step 30
+    # that no push would ever move on.
+    held = 12
     options = ("--checkpoint-dir", str(tmp_path / "s0"), "--checkpoint-every", "3")
     loop = asyncio.get_running_loop()
     async with w.shard_process(url, *options) as (victim, first), \
@@ -136,34 +154,40 @@ async def test_a_killed_shard_restores_its_checkpoint_and_training_continues(
         addresses = [first, second]
         training = asyncio.gather(*(
             loop.run_in_executor(pool, functools.partial(
-                w.train, addresses, rank, WORKERS, steps, optimizer, "none", 30.0))
+                w.train, addresses, rank, WORKERS, steps, optimizer, "none", 30.0,
+                hold=(held, resume) if rank == WORKERS - 1 else None))
             for rank in range(WORKERS)))
         async with tw.connect(first, timeout=60) as probe:
             # Join the job as a worker other than 0 would (waiting for worker
-            # 0's values); then a sync-mode pull at clock 10 returns once
-            # step 10 was applied to these chunks.
+            # 0's values); then a sync-mode pull at clock t returns once
+            # step t was applied to these chunks.
             job = ps.Job(WORKERS, "sync", 0, optimizer).to_wire()
             specs = [ps.TensorSpec.of(k, v) for k, v in w.initial(0).items()]
             chunks = ps.place(ps.chunk_tensors(specs, w.CHUNK_BYTES), 2).on_shard(0)
             keys, sizes = [c.key for c in chunks], [c.size for c in chunks]
             await probe.call("tensorwire.ps.Shard.init", job, 1, keys, [], sizes, 30)
+            await probe.call("tensorwire.ps.Shard.pull", 0, 1, keys, 30)
+            # The periodic checkpoints are written in the background and may
+            # trail the kill by a few steps: one is surely on disk before it.
+            await probe.call("tensorwire.ps.Shard.checkpoint")
             await probe.call("tensorwire.ps.Shard.pull", 0, 10, keys, 30)
         os.kill(victim.pid, signal.SIGKILL)
         await victim.wait()
         found = _checkpoint.latest(tmp_path / "s0")
         assert found is not None
         restored_step = found[1]["step"]
-        assert restored_step > 0
+        assert 0 < restored_step <= held
         async with w.shard_process(first, *options) as (_, again):
             assert again == first
+            resume.set()
             results = await asyncio.wait_for(training, 90)
             async with tw.connect(first, timeout=10) as probe:
                 status = await probe.call("tensorwire.ps.Shard.status")
     # Training went on from the checkpoint: the steps since it were lost (and
-    # counted), the rest completed.
+    # counted), the rest completed on the restarted shard.
     assert status["restored_from"] == str(found[0])
     assert status["step"] == steps
-    assert status["lost_steps"] <= steps - restored_step
+    assert status["lost_steps"] <= held - restored_step
     for result in results[1:]:
         for name, value in results[0]["final"].items():
             np.testing.assert_array_equal(result["final"][name], value)

@@ -53,8 +53,13 @@ def reference(start: dict[str, np.ndarray], workers: int, steps: int,
 
 def train(addresses: list[str], worker: int, workers: int, steps: int,
           optimizer: ps.Optimizer, compression: str = "none",
-          retry_timeout: float = 30.0) -> dict[str, Any]:
-    """Sync training with push_pull; returns the initial and final parameters."""
+          retry_timeout: float = 30.0, hold: tuple[int, Any] | None = None) -> dict[str, Any]:
+    """Sync training with push_pull; returns the initial and final parameters.
+
+    ``hold``: (step, event); the worker waits for the event (a manager's
+    ``Event``) before it pushes that step, and in sync mode so does every
+    other worker's next pull.
+    """
 
     async def main() -> dict[str, Any]:
         config = ps.PSConfig(chunk_bytes=CHUNK_BYTES, retry_timeout=retry_timeout, timeout=30)
@@ -66,6 +71,8 @@ def train(addresses: list[str], worker: int, workers: int, steps: int,
             start = {k: v.copy() for k, v in start.items()}
             params = start
             for step in range(steps):
+                if hold is not None and step == hold[0]:
+                    await asyncio.to_thread(hold[1].wait)
                 params = await client.push_pull(gradient(params, worker, step))
             return {"start": start, "final": params, "imbalance": client.imbalance}
 
