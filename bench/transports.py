@@ -4,7 +4,8 @@ Each variant runs as a server process and a client process (UCX reads its
 settings once per process, so every variant gets fresh ones). One connection
 per variant carries every size: the client announces ``(mode, size, count)``
 and then runs it. Receivers reuse one buffer per size, as a training loop
-reusing its gradient buffers would, for every variant alike.
+reusing its gradient buffers would, for every variant alike; a bandwidth
+run's first message, which faults that buffer in, is not timed.
 
     python bench/transports.py            # writes bench/results/transports.md
     python bench/transports.py --quick    # fewer sizes and repetitions
@@ -41,6 +42,14 @@ def counts(size: int, budget: float, quick: bool) -> tuple[int, int]:
     bw = int(max(4, min(20_000, (1.5e9 * budget * scale) // max(size, 1))))
     lat = int(max(4, min(5_000, (0.5e9 * budget * scale) // max(size, 1))))
     return bw, lat
+
+
+def announced(mode: str, count: int) -> int:
+    """The messages a client announces: a bandwidth run sends one untimed
+    first, so that the receiver's fresh buffer faults in outside the clock
+    (on a VM whose memory the host backs lazily, touching fresh pages ran at
+    0.1 GB/s, which five 64 MiB messages could not hide)."""
+    return count + 1 if mode == "bw" else count
 
 
 # --- raw blocking sockets: the ceiling -------------------------------------
@@ -83,8 +92,9 @@ def raw_socket_client(address: str, plan: list[tuple[str, int, int]]) -> list[fl
     for mode, size, count in plan:
         data = np.ones(size, np.uint8)
         back = memoryview(np.empty(size, np.uint8).data)
-        conn.sendall(CONTROL.pack(mode.encode().ljust(4), size, count))
+        conn.sendall(CONTROL.pack(mode.encode().ljust(4), size, announced(mode, count)))
         if mode == "bw":
+            conn.sendall(data)  # warm-up: the receiver's buffer faults in
             start = time.perf_counter()
             for _ in range(count):
                 conn.sendall(data)
@@ -144,8 +154,10 @@ def streams_client(
         results = []
         for mode, size, count in plan:
             data = np.ones(size, np.uint8).data
-            writer.write(CONTROL.pack(mode.encode().ljust(4), size, count))
+            writer.write(CONTROL.pack(mode.encode().ljust(4), size, announced(mode, count)))
             if mode == "bw":
+                writer.write(data)  # warm-up: the receiver's buffer faults in
+                await writer.drain()
                 start = time.perf_counter()
                 for _ in range(count):
                     writer.write(data)
@@ -244,8 +256,9 @@ def tw_client(
         for mode, size, count in plan:
             data = np.ones(size, np.uint8)
             back = np.empty(size, np.uint8)
-            await conn.send([CONTROL.pack(mode.encode().ljust(4), size, count)])
+            await conn.send([CONTROL.pack(mode.encode().ljust(4), size, announced(mode, count))])
             if mode == "bw":
+                await conn.send([data])  # warm-up: the receiver's buffer faults in
                 start = time.perf_counter()
                 for _ in range(count):
                     await conn.send([data])
@@ -349,9 +362,11 @@ def raw_ucxx_client(address: str, plan: list[tuple[str, int, int]], tls: str | N
         for mode, size, count in plan:
             data = np.ones(size, np.uint8)
             back = np.empty(size, np.uint8)
-            control = np.frombuffer(CONTROL.pack(mode.encode().ljust(4), size, count), np.uint8)
+            control = np.frombuffer(
+                CONTROL.pack(mode.encode().ljust(4), size, announced(mode, count)), np.uint8)
             await ep.send(control, tag=_TAG_CONTROL, force_tag=True)
             if mode == "bw":
+                await ep.send(data, tag=_TAG_DATA, force_tag=True)  # warm-up
                 start = time.perf_counter()
                 for _ in range(count):
                     await ep.send(data, tag=_TAG_DATA, force_tag=True)
@@ -522,12 +537,15 @@ NOTES = """## Notes
   round trip comes from. ucx:// polls for at most 200 µs after traffic and
   then sleeps on UCX's wakeup descriptor: an idle connection costs no CPU.
 - Large messages. On one host UCX (its default choice: shared memory for
-  small messages, CMA for large) beats tcp:// by 1.4-2.7x from 256 KiB to
-  16 MiB, short of "several times": ucx:// sends each frame as its own UCX
-  message and raw ucxx itself tops out at 8-11 GB/s here; the 22 GB/s once
-  seen at 64 MiB did not reproduce with either.
-  From 64 MiB on every variant, the blocking socket included, is bound by
-  this VM's memory bandwidth and falls to a few GB/s.
+  small messages, CMA for large) copies each large message once, straight
+  into the receiver's buffer, where TCP copies it twice through the
+  kernel: see the last target line for how far ucx:// beats tcp:// here.
+  Raw ucxx itself tops out at the memory copy bandwidth of the host (about
+  8-10 GB/s on the 2-vCPU VMs these files come from); ucx:// sends each
+  frame as its own UCX message after a header message, which costs most at
+  1-4 MiB. A bandwidth run's first message is not timed: on a VM whose host
+  backs guest memory lazily, the first touch of a fresh receive buffer ran
+  at 0.1 GB/s, and it made every variant look slow from 64 MiB on.
 - Small-message bandwidth (below 32 KiB) is bounded by the per-message
   Python cost of an asyncio transport; the RPC layer gathers messages that
   queue up behind a stuck write into one `sendmsg` (`Connection.send_many`).
@@ -599,7 +617,8 @@ def write_results(
         "# Transport benchmark",
         "",
         f"Command: `{command}`. Each cell: the median of {rounds} rounds; one server and one "
-        "client process per variant, one connection; receivers reuse one buffer per size.",
+        "client process per variant, one connection; receivers reuse one buffer per size, "
+        "and a bandwidth run's first message (which faults it in) is not timed.",
         "",
         environment(),
         "",
