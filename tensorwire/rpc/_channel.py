@@ -41,7 +41,7 @@ def frames_nbytes(frames: list[Any]) -> int:
     for frame in frames:
         kind = type(frame)
         # What serde and the transports hand us, without a memoryview each.
-        if kind is bytes:
+        if kind is bytes or kind is bytearray:
             total += len(frame)
         elif kind is np.ndarray or kind is memoryview:
             total += frame.nbytes
@@ -104,7 +104,7 @@ class Channel:
             conn.refuse_oversized(self._refused)
         for error in refused:
             self._refused(error)
-        conn.deliver_to(self._deliver)
+        conn.deliver_to(self._deliver, small_as_bytearray=True)
         self._tasks.append(self._loop.create_task(self._read_loop()))
         self._tasks.append(self._loop.create_task(self._watchdog()))
 

@@ -62,6 +62,9 @@ _REQUEST = struct.Struct("<BBHiQd")
 #: RESPONSE and ITEM: kind, three reserved zero bytes, reserved zero u32,
 #: call_id; then the serde header.
 _REPLY = struct.Struct("<BBHIQ")
+#: A bytearray frame up to this size is parsed by slicing (copies), larger
+#: ones through a memoryview.
+_SLICE_MAX = 4096
 _HAS_TIMEOUT = 1
 #: ERROR's message and traceback are cut to this many characters each, so
 #: that a huge exception text cannot push a header past MAX_HEADER_BYTES.
@@ -273,9 +276,9 @@ def _encode_request(message: Request) -> list[Any]:
     return [head + method + value[0], *value[1:]]
 
 
-def _parse_request(view: memoryview, frames: Sequence[Any]) -> Request:
+def _parse_request(view: memoryview | bytearray, frames: Sequence[Any]) -> Request:
     """REQUEST: the fixed header, the method name, then the serde header."""
-    size = view.nbytes
+    size = len(view)
     if size < _REQUEST.size:
         raise ProtocolError(f"REQUEST header of {size} bytes is cut short")
     _, flags, length, stream_arg, call_id, timeout = _REQUEST.unpack_from(view)
@@ -313,10 +316,16 @@ def parse(frames: Sequence[Any]) -> Message:
     if not frames:
         raise ProtocolError("empty RPC message")
     raw = frames[0]
-    view = memoryview(raw)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    size = view.nbytes
+    view: Any
+    if type(raw) is bytearray and len(raw) <= _SLICE_MAX:
+        # A small frame as the transports deliver it to the RPC layer:
+        # slices of it are cheap copies, where memoryviews cost more.
+        view = raw
+    else:
+        view = memoryview(raw)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+    size = len(view)
     if size:
         kind = view[0]
         if kind in (_RESPONSE, _ITEM):

@@ -560,7 +560,7 @@ class Decoder:
                 match its data, too many dims, depth or sizes beyond the
                 limits, invalid UTF-8, unhashable dict keys.
         """
-        if type(header) is bytes:
+        if type(header) is bytes or type(header) is bytearray:
             # Hot path: no memoryview; a slice copy is cheaper for small headers.
             size = len(header)
             body: Any = header[PREFIX_SIZE:] if size < 4096 else memoryview(header)[PREFIX_SIZE:]

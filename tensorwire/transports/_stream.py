@@ -209,11 +209,14 @@ class StreamConnection(Connection):
         self._read_ahead = allocator is None and self._allocator is default_allocator
         return await queue.wait(allocator, self._kick)
 
-    def deliver_to(self, receiver: Callable[[list[Any]], None]) -> bool:
+    def deliver_to(self, receiver: Callable[[list[Any]], None], *,
+                   small_as_bytearray: bool = False) -> bool:
         self._receiver = receiver
         # Every message is now allocated with the connection's allocator as
         # soon as announced: the reader may do it itself for small ones.
-        self._reader.auto_allocate = self._allocator is default_allocator
+        reader = self._reader
+        reader.auto_allocate = self._allocator is default_allocator
+        reader.small_as_bytearray = reader.auto_allocate and small_as_bytearray
         ready = self._queue.ready
         while ready and self._error is None:
             self._hand_over(receiver, ready.popleft())

@@ -173,11 +173,16 @@ class FrameReader:
         #: stopping at ``frames_announced`` (set by a driver whose consumer
         #: would do just that: see ``StreamConnection.deliver_to``).
         self.auto_allocate = False
+        #: With ``auto_allocate``: such a message's frame is a ``bytearray``
+        #: copy instead of an aligned NumPy array (see
+        #: ``Connection.deliver_to``).
+        self.small_as_bytearray = False
         # While skipping: the refusal, its head frame being kept, and the
         # bytes still to drop after it.
         self._refused: LimitExceededError | None = None
         self._skip_left = 0
-        self._staging = memoryview(bytearray(STAGING_SIZE))
+        self._staging_bytes = bytearray(STAGING_SIZE)
+        self._staging = memoryview(self._staging_bytes)
         # A one-frame message up to this size passes every limit.
         self._fast_max = min(limits.max_frame_bytes, limits.max_message_bytes)
         self._start = 0
@@ -422,10 +427,14 @@ class FrameReader:
                             and size <= SLAB_MAX and avail - _ONE_FRAME.size >= size
                             and size <= self._fast_max):
                         start += _ONE_FRAME.size
-                        frame = host_empty(size)
-                        frame.data[:] = staging[start : start + size]
-                        self._start = start + size
-                        self.events.append([frame])
+                        end = start + size
+                        if self.small_as_bytearray:
+                            self.events.append([self._staging_bytes[start:end]])
+                        else:
+                            frame = host_empty(size)
+                            frame.data[:] = staging[start:end]
+                            self.events.append([frame])
+                        self._start = end
                         continue
                 kind, reserved1, reserved2, nframes = _PRELUDE.unpack_from(staging, self._start)
                 if reserved1 or reserved2:

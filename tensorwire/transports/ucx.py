@@ -332,6 +332,7 @@ class UCXConnection(Connection):
         # Under deliver_to with the default allocator: the largest one-frame
         # inline message taken by the fast path (0: none).
         self._fast_max = 0
+        self._small_as_bytearray = False
         # Set by refuse_oversized(); the message being skipped, its head.
         self._on_refused: Callable[[LimitExceededError], None] | None = None
         self._skipping: LimitExceededError | None = None
@@ -387,11 +388,13 @@ class UCXConnection(Connection):
             raise self._closed_error()
         return self._post_messages([_Outgoing(frames) for frames in messages])
 
-    def deliver_to(self, receiver: Callable[[list[Any]], None]) -> bool:
+    def deliver_to(self, receiver: Callable[[list[Any]], None], *,
+                   small_as_bytearray: bool = False) -> bool:
         self._receiver = receiver
         if self._allocator is default_allocator:
             limits = self._config.limits
             self._fast_max = min(limits.max_frame_bytes, limits.max_message_bytes, INLINE_BYTES)
+            self._small_as_bytearray = small_as_bytearray
         ready = self._queue.ready
         while ready and self._error is None:
             self._hand_over(receiver, ready.popleft())
@@ -593,9 +596,12 @@ class UCXConnection(Connection):
             kind, r1, r2, nframes, size, code = _ONE_INLINE.unpack_from(header)
             if (nframes == 1 and code == INLINE_FLAG and kind == KIND_DATA and not (r1 or r2)
                     and size <= self._fast_max):
-                frame = host_empty(size)
-                frame.data[:] = header[_ONE_INLINE.size : _ONE_INLINE.size + size]
-                self._frames = [frame]
+                if self._small_as_bytearray:
+                    self._frames = [self._header_buf[_ONE_INLINE.size : _ONE_INLINE.size + size]]
+                else:
+                    frame = host_empty(size)
+                    frame.data[:] = header[_ONE_INLINE.size : _ONE_INLINE.size + size]
+                    self._frames = [frame]
                 self._frames_bytes = size
                 self._finish_message()
                 return

@@ -39,6 +39,28 @@ def test_every_message_round_trips(message: p.Message) -> None:
     assert p.parse(p.encode(message)) == message
 
 
+#: How a transport may hand over a header frame: bytes, a bytearray copy (a
+#: small frame delivered to the RPC layer), an aligned NumPy array.
+FRAME_TYPES = {
+    "bytes": bytes,
+    "bytearray": bytearray,
+    "ndarray": lambda data: np.frombuffer(data, np.uint8).copy(),
+}
+
+
+@pytest.mark.parametrize("frame_type", FRAME_TYPES)
+@pytest.mark.parametrize("size", [9, 5000], ids=["small", "large"])
+def test_binary_messages_parse_alike_from_every_frame_type(frame_type: str, size: int) -> None:
+    make = FRAME_TYPES[frame_type]
+    value = [b"h" * size, b"buffer"]
+    for message in (p.Request(7, "Store.get", 1.5, -1, value), p.Request(8, "S.m", None, 0, value),
+                    p.Response(7, value), p.Item(9, value)):
+        frames = p.encode(message)
+        parsed = p.parse([make(frames[0]), *frames[1:]])
+        assert parsed == message
+        assert bytes(parsed.value[0]) == b"h" * size  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(
     ("frames", "match"),
     [
@@ -110,9 +132,11 @@ def test_binary_messages_parse_from_numpy_frames_as_views() -> None:
         (struct.pack("<BBHIQ", 11, 0, 0, 0, 1 << 63) + b"h", "bad call id"),
     ],
 )
-def test_malformed_binary_headers_are_protocol_errors(frame: bytes, match: str) -> None:
+@pytest.mark.parametrize("frame_type", FRAME_TYPES)
+def test_malformed_binary_headers_are_protocol_errors(frame: bytes, match: str,
+                                                      frame_type: str) -> None:
     with pytest.raises(ProtocolError, match=match):
-        p.parse([frame])
+        p.parse([FRAME_TYPES[frame_type](frame)])
 
 
 def test_a_method_name_beyond_the_length_field_is_refused() -> None:

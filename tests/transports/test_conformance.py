@@ -631,6 +631,36 @@ async def test_deliver_to_hands_over_every_message_in_order(listen_url: str) -> 
     assert got == [f"{k}{i}".encode() for k in "abc" for i in range(20)]
 
 
+async def test_deliver_to_copies_small_frames_into_bytearrays_where_asked(
+    listen_url: str,
+) -> None:
+    got: list[list[Any]] = []
+    done = asyncio.Event()
+    small = [[f"small{i}".encode() * (i + 1)] for i in range(40)]
+    others = [[b"two", b"frames"], [pattern(200_000)], [b""]]
+
+    def receive(frames: list[Any]) -> None:
+        got.append(frames)
+        if len(got) == len(small) + len(others):
+            done.set()
+
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        if not conn.deliver_to(receive, small_as_bytearray=True):
+            pytest.skip("this transport delivers through recv() only")
+        # Several sends: later reads reuse the read-ahead buffer, which must
+        # not change the frames handed out before.
+        for i in range(0, len(small), 10):
+            await conn.send_many(small[i : i + 10])
+        await conn.send_many(others)
+        await asyncio.wait_for(done.wait(), 30)
+    assert [[as_bytes(f) for f in frames] for frames in got] == [
+        [as_bytes(f) for f in frames] for frames in small + others
+    ]
+    assert all(type(frames[0]) is bytearray for frames in got[: len(small)])
+    for frames in got[len(small):-1]:  # more than one frame, or a large one
+        assert all(type(frame) is np.ndarray for frame in frames)
+
+
 async def test_a_failing_receiver_aborts_the_connection(listen_url: str) -> None:
     def receive(frames: list[Any]) -> None:
         raise RuntimeError("receiver bug")
