@@ -98,10 +98,11 @@ _NOT_CONTAINER: Final = bytes(
 
 
 _BYTES_LIKE: Final = frozenset({bytes, bytearray, memoryview})
-#: All bytes except the bin markers 0xc4-0xc6.
-_NOT_BIN: Final = bytes(b for b in range(256) if b not in (0xC4, 0xC5, 0xC6))
+#: A header up to this size is sliced (a copy) rather than viewed.
+_SMALL_HEADER: Final = 4096
 #: Precomputed header prefixes for small buffer counts.
 _PREFIXES: Final = tuple(PREFIX_STRUCT.pack(PREFIX, n) for n in range(64))
+_NO_BUFFERS_PREFIX: Final = _PREFIXES[0]
 
 
 class _FallbackError(Exception):
@@ -138,11 +139,14 @@ class Encoder:
     __slots__ = (
         "_fast_bufs",
         "_fast_level",
+        "_fast_pack",
         "_fast_packers",
         "_handlers",
         "_leaf_handlers",
         "_limits",
+        "_max_buffers",
         "_max_depth",
+        "_max_header",
         "_packer",
         "_registry",
         "_threshold",
@@ -189,8 +193,11 @@ class Encoder:
             )
             for _ in range(_FAST_TUPLE_LEVELS)
         ]
+        self._fast_pack = self._fast_packers[0].pack
         self._fast_level = 0
         self._fast_bufs: list[Any] = []
+        self._max_header = self._limits.max_header_bytes
+        self._max_buffers = self._limits.max_buffers
 
     @property
     def inline_threshold(self) -> int:
@@ -262,24 +269,24 @@ class Encoder:
         """
         bufs: list[Any] = []
         self._fast_bufs = bufs
-        self._fast_level = 0
         try:
-            body = self._fast_packers[0].pack(obj)
+            body = self._fast_pack(obj)
         except Exception:  # unsupported or odd value: the walk decides and explains
+            self._fast_level = 0
             return None
         finally:
-            self._fast_bufs = []
-        if body.translate(None, _NOT_BIN):  # one C pass; faster than three `in`s
+            if bufs:
+                self._fast_bufs = []  # keeps no buffer alive
+        # Three memchr()s. An int, not bytes: `b"\xc4" in body` tries the
+        # int reading first, at the cost of a caught exception.
+        if 0xC4 in body or 0xC5 in body or 0xC6 in body:
             return None
         size = len(body)
         if size > self._max_depth and len(body.translate(None, _NOT_CONTAINER)) > self._max_depth:
             return None
-        if (
-            size + PREFIX_SIZE > self._limits.max_header_bytes
-            or len(bufs) > self._limits.max_buffers
-        ):
-            return None
         nbufs = len(bufs)
+        if size + PREFIX_SIZE > self._max_header or nbufs > self._max_buffers:
+            return None
         if nbufs < len(_PREFIXES):
             return _PREFIXES[nbufs] + body, bufs
         return PREFIX_STRUCT.pack(PREFIX, nbufs) + body, bufs
@@ -520,6 +527,7 @@ class Decoder:
         "_max_elements",
         "_max_header",
         "_registry",
+        "_small_max",
         "_taken",
         "_used",
     )
@@ -533,8 +541,10 @@ class Decoder:
         self._max_elements = self._limits.max_array_elements
         self._max_header = self._limits.max_header_bytes
         self._max_buffers = self._limits.max_buffers
+        # Headers up to this size without buffers take decode()'s first path.
+        self._small_max = min(_SMALL_HEADER, self._max_header)
         self._bufs: Sequence[Any] = ()
-        self._used = bytearray()
+        self._used = _NO_BUFFERS  # idle: no call in progress
         self._taken = 0
         self._depth = 0
 
@@ -560,10 +570,30 @@ class Decoder:
                 match its data, too many dims, depth or sizes beyond the
                 limits, invalid UTF-8, unhashable dict keys.
         """
-        if type(header) is bytes or type(header) is bytearray:
-            # Hot path: no memoryview; a slice copy is cheaper for small headers.
+        kind = type(header)
+        if (
+            (kind is bytes or kind is bytearray)
+            and not buffers
+            and header.startswith(_NO_BUFFERS_PREFIX)
+            and len(header) <= self._small_max
+            and self._used is _NO_BUFFERS
+        ):
+            # The small RPC message: the checks below in one (prefix, version
+            # and no buffers), and no state to save (see the general case).
+            try:
+                value = msgpack.unpackb(
+                    header[PREFIX_SIZE:], ext_hook=self._ext_hook, strict_map_key=False
+                )
+            except Exception as exc:  # trust nothing; see below
+                raise _as_decode_error(exc) from None
+            if len(header) - PREFIX_SIZE > self._max_depth:
+                self._check_depth(value, 0)
+            return value
+        if kind is bytes or kind is bytearray:
+            # No memoryview; a slice copy is cheaper for small headers.
             size = len(header)
-            body: Any = header[PREFIX_SIZE:] if size < 4096 else memoryview(header)[PREFIX_SIZE:]
+            body: Any = (header[PREFIX_SIZE:] if size <= _SMALL_HEADER
+                         else memoryview(header)[PREFIX_SIZE:])
             view: Any = header
         else:
             try:
