@@ -37,6 +37,13 @@ BATCH = 32
 
 
 def frames_nbytes(frames: list[Any]) -> int:
+    if len(frames) == 1:
+        # A small message: one frame, as protocol.encode makes it and as the
+        # transports deliver it (bytearray).
+        frame = frames[0]
+        kind = type(frame)
+        if kind is bytes or kind is bytearray:
+            return len(frame)
     total = 0
     for frame in frames:
         kind = type(frame)

@@ -266,7 +266,7 @@ def _encode_request(message: Request) -> list[Any]:
     timeout = message.timeout
     value = message.value
     head = _REQUEST.pack(
-        Kind.REQUEST,
+        _REQUEST_KIND,
         0 if timeout is None else _HAS_TIMEOUT,
         len(method),
         message.stream_arg,

@@ -8,7 +8,6 @@ the buffer its allocator handed out. The layout is in docs/protocol.md.
 
 from __future__ import annotations
 
-import enum
 import functools
 import struct
 from collections import deque
@@ -53,6 +52,7 @@ GOODBYE = _PRELUDE.pack(KIND_GOODBYE, 0, 0, 0)
 #: A one-frame host message's prelude and frame table in one: kind, the
 #: reserved fields, frame count, frame size, device code with its padding.
 _ONE_FRAME = struct.Struct("<BBHIQQ")
+_ONE_FRAME_SIZE = _ONE_FRAME.size
 
 DEVICE_CODES = {"cpu": 0, "cuda": 1}
 _DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
@@ -137,7 +137,11 @@ class Refused:
         self.error = error
 
 
-class _State(enum.Enum):
+class _State:
+    """The reader's states: plain ints, since an attribute of an Enum class
+    costs several times a plain one (EnumType.__getattr__), and
+    ``_process`` looks at the state for every message."""
+
     HANDSHAKE = 1
     PRELUDE = 2
     TABLE = 3
@@ -183,8 +187,9 @@ class FrameReader:
         self._skip_left = 0
         self._staging_bytes = bytearray(STAGING_SIZE)
         self._staging = memoryview(self._staging_bytes)
-        # A one-frame message up to this size passes every limit.
-        self._fast_max = min(limits.max_frame_bytes, limits.max_message_bytes)
+        # A one-frame message up to this size passes every limit and fits
+        # one slab: _take_small may take it.
+        self._small_max = min(limits.max_frame_bytes, limits.max_message_bytes, SLAB_MAX)
         self._start = 0
         self._end = 0
         self._state = _State.HANDSHAKE if handshake else _State.PRELUDE
@@ -204,7 +209,7 @@ class FrameReader:
     @property
     def frames_announced(self) -> list[FrameInfo] | None:
         """The next message's frames once its table arrived and before allocation."""
-        return self._infos if self._state is _State.ALLOCATE else None
+        return self._infos if self._state == _State.ALLOCATE else None
 
     @property
     def message_buffered(self) -> bool:
@@ -213,7 +218,7 @@ class FrameReader:
         allocator completes it at once, and holds no more memory than the
         read-ahead buffer did."""
         return (
-            self._state is _State.ALLOCATE
+            self._state == _State.ALLOCATE
             and self._slab
             and self._end - self._start >= self._announced_bytes
         )
@@ -221,14 +226,14 @@ class FrameReader:
     @property
     def awaiting_handshake(self) -> bool:
         """True until the peer's handshake has arrived and checked out."""
-        return self._state is _State.HANDSHAKE
+        return self._state == _State.HANDSHAKE
 
     @property
     def mid_message(self) -> bool:
         """True when the stream stopped inside a message (EOF here is an error)."""
         if self._state in (_State.TABLE, _State.ALLOCATE, _State.FRAMES, _State.SKIP):
             return True
-        return self._state is _State.PRELUDE and self._end > self._start
+        return self._state == _State.PRELUDE and self._end > self._start
 
     def get_buffer(self) -> memoryview:
         """Where the next bytes from the stream should be written."""
@@ -260,7 +265,7 @@ class FrameReader:
 
     def allocate(self, allocator: Any) -> None:
         """Allocate the announced message's frames with ``allocator``."""
-        if self._state is not _State.ALLOCATE:
+        if self._state != _State.ALLOCATE:
             raise RuntimeError("no message is waiting for allocation")
         infos = self._infos
         if allocator is default_allocator and self._slab:
@@ -321,13 +326,13 @@ class FrameReader:
         self._state = _State.PRELUDE
 
     def _target_done(self) -> None:
-        if self._state is _State.SKIP:
+        if self._state == _State.SKIP:
             assert self._target is not None and self._refused is not None
             self._refused.head = bytes(self._target)
             self._target = None
             self._skip_done()
             return
-        if self._state is _State.TABLE:
+        if self._state == _State.TABLE:
             assert self._target is not None
             table = self._target
             self._target = None
@@ -388,12 +393,43 @@ class FrameReader:
         self.events.append(Refused(error))
         self._state = _State.PRELUDE
 
+    def _take_small(self) -> bool:
+        """Take every small message of one frame already whole in the
+        read-ahead buffer, up to the first other one; True: took some.
+
+        The RPC hot path (under ``auto_allocate``). Same checks and result
+        as the general path (``allocate(default_allocator)`` after the
+        table), a fraction of the work, and one call for all the messages
+        one read brought.
+        """
+        data, staging = self._staging_bytes, self._staging
+        start = first = self._start
+        end = self._end
+        limit = self._small_max
+        events = self.events
+        as_bytearray = self.small_as_bytearray
+        while end - start >= _ONE_FRAME_SIZE:
+            kind, r1, r2, nframes, size, code = _ONE_FRAME.unpack_from(data, start)
+            if (nframes != 1 or kind != KIND_DATA or r1 or r2 or code or size > limit
+                    or end - start - _ONE_FRAME_SIZE < size):
+                break
+            start += _ONE_FRAME_SIZE
+            if as_bytearray:
+                events.append([data[start : start + size]])
+            else:
+                frame = host_empty(size)
+                frame.data[:] = staging[start : start + size]
+                events.append([frame])
+            start += size
+        self._start = start
+        return start != first
+
     def _process(self) -> None:
         staging = self._staging
         while True:
             avail = self._end - self._start
             state = self._state
-            if state is _State.SKIP and self._target is None:
+            if state == _State.SKIP and self._target is None:
                 if not avail:
                     return
                 take = min(avail, self._skip_left)
@@ -413,29 +449,11 @@ class FrameReader:
                 if self._pos == len(self._target):
                     self._target_done()
                 continue
-            if state is _State.PRELUDE:
+            if state == _State.PRELUDE:
                 if avail < PRELUDE_SIZE:
                     return
-                if self.auto_allocate and avail >= _ONE_FRAME.size:
-                    # The RPC hot path: a small message of one frame, already
-                    # here whole. Same checks and result as the general path
-                    # (allocate(default_allocator) after the table), a
-                    # fraction of the work.
-                    start = self._start
-                    kind, r1, r2, nframes, size, code = _ONE_FRAME.unpack_from(staging, start)
-                    if (nframes == 1 and kind == KIND_DATA and not (r1 or r2 or code)
-                            and size <= SLAB_MAX and avail - _ONE_FRAME.size >= size
-                            and size <= self._fast_max):
-                        start += _ONE_FRAME.size
-                        end = start + size
-                        if self.small_as_bytearray:
-                            self.events.append([self._staging_bytes[start:end]])
-                        else:
-                            frame = host_empty(size)
-                            frame.data[:] = staging[start:end]
-                            self.events.append([frame])
-                        self._start = end
-                        continue
+                if self.auto_allocate and self._take_small():
+                    continue
                 kind, reserved1, reserved2, nframes = _PRELUDE.unpack_from(staging, self._start)
                 if reserved1 or reserved2:
                     raise ProtocolError("nonzero reserved bytes in message prelude")
@@ -457,13 +475,13 @@ class FrameReader:
                     table = staging[self._start : self._start + size]
                     self._start += size
                     self._parse_table(table, nframes)
-                    if self._state is _State.SKIP:
+                    if self._state == _State.SKIP:
                         continue
                     return
                 self._target = memoryview(bytearray(size))
                 self._pos = 0
                 self._state = _State.TABLE
-            elif state is _State.HANDSHAKE:
+            elif state == _State.HANDSHAKE:
                 if avail < len(HANDSHAKE):
                     return
                 check_handshake(staging[self._start : self._start + len(HANDSHAKE)])
