@@ -66,18 +66,14 @@ class MethodMetrics:
         }
 
 
-class Metrics:
-    """Metrics of every method seen, by name."""
+class Metrics(dict[str, MethodMetrics]):
+    """Metrics of every method seen, by name; ``metrics[name]`` makes them
+    on first use (a dict: a lookup of a known name runs no Python code)."""
 
-    def __init__(self) -> None:
-        self._methods: dict[str, MethodMetrics] = {}
-
-    def __getitem__(self, name: str) -> MethodMetrics:
-        found = self._methods.get(name)
-        if found is None:
-            found = self._methods[name] = MethodMetrics()
+    def __missing__(self, name: str) -> MethodMetrics:
+        found = self[name] = MethodMetrics()
         return found
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """``{method: {calls, errors, bytes_in, bytes_out, p50, p90, p99}}``."""
-        return {name: m.snapshot() for name, m in sorted(self._methods.items())}
+        return {name: m.snapshot() for name, m in sorted(self.items())}

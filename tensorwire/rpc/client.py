@@ -381,42 +381,15 @@ class Client:
                 ``Internal`` with the remote traceback, ...).
             EncodeError: an argument cannot be encoded.
         """
+        # The request is queued without waiting: the answer cannot come
+        # before it has gone. A call that ends early (deadline, cancel) may
+        # leave its request still going out, so its arguments must stay
+        # unchanged until then, as with any send cut short. The session's
+        # deadline heap, not asyncio.timeout: this runs for every call, and a
+        # heap push costs a fraction of the context manager. One coroutine
+        # from here to the answer, attempts included: each level of awaiting
+        # costs on every call.
         deadline = self._deadline(timeout)
-        try:
-            return await self._call_once(method, args, kwargs, deadline)
-        except Unavailable:
-            if not idempotent or _aiter_index(args) >= 0:
-                raise
-            logger.info("retrying idempotent %s after losing the connection", method)
-            return await self._call_once(method, args, kwargs, deadline)
-
-    def _deadline(self, timeout: float | None) -> float:
-        session = self._session
-        # The session's loop when connected: get_running_loop() asks the OS
-        # for the pid on every call on Python 3.11.
-        loop = session.loop if session is not None else asyncio.get_running_loop()
-        return loop.time() + (self.config.timeout if timeout is None else timeout)
-
-    async def _call_once(
-        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
-    ) -> Any:
-        """Send the request and wait for its answer, at most until ``deadline``.
-
-        The request is queued without waiting: the answer cannot come before
-        it has gone. A call that ends early (deadline, cancel) may leave its
-        request still going out, so its arguments must stay unchanged until
-        then, as with any send cut short. The session's deadline heap, not
-        ``asyncio.timeout``: this runs for every call, and a heap push costs
-        a fraction of the context manager. One coroutine from here to the
-        answer: each level of awaiting costs on every call.
-        """
-        started = time.perf_counter()
-        session = self._session
-        # session.alive, inlined
-        channel = None if session is None else session.channel
-        if session is None or channel is None or channel.error is not None:
-            session = await self._ready_by(deadline, method)
-            channel = _channel(session)
         for arg in args:
             if type(arg) not in _PLAIN:
                 args, source, stream_arg = _split_stream(args)
@@ -428,55 +401,80 @@ class Client:
         header, buffers = self._encoder.encode([list(args), kwargs])
         payload = [header, *buffers]
         metrics = self._metrics[method]
-        error = True
-        try:
-            slots = session.slots
-            if not slots.try_acquire():
-                # Only a client with more calls than the server allows in
-                # flight waits here, and the deadline bounds the wait.
-                async with asyncio.timeout_at(deadline):
-                    await slots.acquire()
+        # Once, after losing the connection; never with a streamed argument.
+        retry = idempotent and source is None
+        while True:
+            started = time.perf_counter()
             try:
-                loop = session.loop
-                call_id, pending = self._register(session, metrics, streaming=False)
-                # The server enforces the same deadline; waiting a moment
-                # longer lets its DEADLINE_EXCEEDED, which says where the
-                # time went, arrive first.
-                session.watch(call_id, deadline + _DEADLINE_GRACE)
-                pump: asyncio.Task[None] | None = None
+                session = self._session
+                # session.alive, inlined
+                channel = None if session is None else session.channel
+                if session is None or channel is None or channel.error is not None:
+                    session = await self._ready_by(deadline, method)
+                    channel = _channel(session)
+                error = True
                 try:
-                    remaining = max(deadline - loop.time(), 0.0)
-                    metrics.bytes_out += channel.post(
-                        protocol.Request(call_id, method, remaining, stream_arg, payload)
-                    )
-                    if source is not None:
-                        pending.credit_event = asyncio.Event()
-                        pump = loop.create_task(self._pump(session, call_id, pending, source))
-                    message = await pending.future
-                except BaseException:
-                    self._cancel_remote(session, call_id)
-                    raise
+                    slots = session.slots
+                    if not slots.try_acquire():
+                        # Only a client with more calls than the server allows
+                        # in flight waits here, and the deadline bounds the wait.
+                        async with asyncio.timeout_at(deadline):
+                            await slots.acquire()
+                    try:
+                        loop = session.loop
+                        call_id, pending = self._register(session, metrics, streaming=False)
+                        # The server enforces the same deadline; waiting a
+                        # moment longer lets its DEADLINE_EXCEEDED, which says
+                        # where the time went, arrive first.
+                        session.watch(call_id, deadline + _DEADLINE_GRACE)
+                        pump: asyncio.Task[None] | None = None
+                        try:
+                            remaining = max(deadline - loop.time(), 0.0)
+                            metrics.bytes_out += channel.post(
+                                protocol.Request(call_id, method, remaining, stream_arg, payload)
+                            )
+                            if source is not None:
+                                pending.credit_event = asyncio.Event()
+                                pump = loop.create_task(
+                                    self._pump(session, call_id, pending, source))
+                            message = await pending.future
+                        except BaseException:
+                            self._cancel_remote(session, call_id)
+                            raise
+                        finally:
+                            session.pending.pop(call_id, None)
+                            if pump is not None:
+                                await _stop(pump)
+                    finally:
+                        slots.release()
+                    if type(message) is not protocol.Response:
+                        raise _unexpected(message, method)
+                    frames = message.value
+                    result = self._decoder.decode(frames[0], frames[1:])
+                    error = False
+                    return result
+                except DeadlineExceeded:
+                    raise  # the server's own, with its message and traceback
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        f"{method} did not finish within its deadline") from None
                 finally:
-                    session.pending.pop(call_id, None)
-                    if pump is not None:
-                        await _stop(pump)
-            finally:
-                slots.release()
-            if type(message) is not protocol.Response:
-                raise _unexpected(message, method)
-            frames = message.value
-            result = self._decoder.decode(frames[0], frames[1:])
-            error = False
-            return result
-        except DeadlineExceeded:
-            raise  # the server's own, with its message and traceback
-        except TimeoutError:
-            raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
-        finally:
-            metrics.observe(time.perf_counter() - started, error=error)
-            if self.config.timeline is not None:
-                self.config.timeline.add_since(method, "rpc.client", started, error=error)
+                    metrics.observe(time.perf_counter() - started, error=error)
+                    if self.config.timeline is not None:
+                        self.config.timeline.add_since(method, "rpc.client", started,
+                                                       error=error)
+            except Unavailable:
+                if not retry:
+                    raise
+                retry = False
+                logger.info("retrying idempotent %s after losing the connection", method)
 
+    def _deadline(self, timeout: float | None) -> float:
+        session = self._session
+        # The session's loop when connected: get_running_loop() asks the OS
+        # for the pid on every call on Python 3.11.
+        loop = session.loop if session is not None else asyncio.get_running_loop()
+        return loop.time() + (self.config.timeout if timeout is None else timeout)
     def stream(
         self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> AsyncIterator[Any]:

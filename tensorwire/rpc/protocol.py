@@ -59,9 +59,11 @@ MAX_HEADER_BYTES = 64 * 1024
 #: REQUEST: kind, flags, method length, stream_arg, call_id, timeout; then
 #: the method name (UTF-8) and the serde header.
 _REQUEST = struct.Struct("<BBHiQd")
+_REQUEST_SIZE = _REQUEST.size
 #: RESPONSE and ITEM: kind, three reserved zero bytes, reserved zero u32,
 #: call_id; then the serde header.
 _REPLY = struct.Struct("<BBHIQ")
+_REPLY_SIZE = _REPLY.size
 #: A bytearray frame up to this size is parsed by slicing (copies), larger
 #: ones through a memoryview.
 _SLICE_MAX = 4096
@@ -279,10 +281,10 @@ def _encode_request(message: Request) -> list[Any]:
 def _parse_request(view: memoryview | bytearray, frames: Sequence[Any]) -> Request:
     """REQUEST: the fixed header, the method name, then the serde header."""
     size = len(view)
-    if size < _REQUEST.size:
+    if size < _REQUEST_SIZE:
         raise ProtocolError(f"REQUEST header of {size} bytes is cut short")
     _, flags, length, stream_arg, call_id, timeout = _REQUEST.unpack_from(view)
-    start = _REQUEST.size + length
+    start = _REQUEST_SIZE + length
     if flags & ~_HAS_TIMEOUT:
         raise ProtocolError(f"unknown REQUEST flags {flags:#x}")
     if stream_arg < -1:
@@ -297,13 +299,15 @@ def _parse_request(view: memoryview | bytearray, frames: Sequence[Any]) -> Reque
     if size <= start:
         raise ProtocolError("REQUEST without its value")
     try:
-        method = str(view[_REQUEST.size : start], "utf-8")
+        method = str(view[_REQUEST_SIZE : start], "utf-8")
     except UnicodeDecodeError:
         raise ProtocolError("REQUEST method name is not UTF-8") from None
     if call_id >= 1 << 63:
         raise ProtocolError(f"bad call id {call_id}")
-    return Request(call_id, method, timeout if flags else None, stream_arg,
-                   [view[start:], *frames[1:]])
+    value = [view[start:]]
+    if len(frames) > 1:
+        value += frames[1:]
+    return Request(call_id, method, timeout if flags else None, stream_arg, value)
 
 
 def parse(frames: Sequence[Any]) -> Message:
@@ -331,14 +335,16 @@ def parse(frames: Sequence[Any]) -> Message:
         if kind in (_RESPONSE, _ITEM):
             # A reply: the fixed header, then the serde header (here, not in
             # a function of its own: this runs for every call).
-            if size <= _REPLY.size:
+            if size <= _REPLY_SIZE:
                 raise ProtocolError(f"{Kind(kind).name} without its value")
             _, zero1, zero2, zero3, call_id = _REPLY.unpack_from(view)
             if zero1 or zero2 or zero3:
                 raise ProtocolError(f"nonzero reserved bytes in a {Kind(kind).name} header")
             if call_id >= 1 << 63:
                 raise ProtocolError(f"bad call id {call_id}")
-            value = [view[_REPLY.size :], *frames[1:]]
+            value = [view[_REPLY_SIZE:]]
+            if len(frames) > 1:
+                value += frames[1:]
             return Response(call_id, value) if kind == _RESPONSE else Item(call_id, value)
         if kind == _REQUEST_KIND:
             return _parse_request(view, frames)

@@ -276,6 +276,11 @@ class _Session:
                                on_refused=self._on_refused)
         self._accepting = True
         self._done = asyncio.Event()
+        # What every call looks up, fixed for the server's life.
+        self._handlers = server._handlers
+        self._limit = server.config.max_concurrent_per_connection
+        self._timeline = server.config.timeline
+        self._decoder, self._encoder = server._decoder, server._encoder
 
     async def run(self) -> None:
         self.channel.start(refused=self._refused_early)
@@ -349,21 +354,18 @@ class _Session:
 
     def _start(self, request: protocol.Request, nbytes: int) -> None:
         call_id = request.call_id
-        if call_id in self.calls:
+        calls = self.calls
+        if call_id in calls:
             raise ProtocolError(f"call id {call_id} is already in use")
-        limit = self.server.config.max_concurrent_per_connection
-        if not self._accepting:
-            error: RemoteError | None = Unavailable("the server is shutting down")
-        elif len(self.calls) >= limit:
-            error = ResourceExhausted(f"more than {limit} calls in flight on one connection")
-        else:
-            error = None
-        if error is not None:
+        if not self._accepting or len(calls) >= self._limit:
+            error: RemoteError = (
+                Unavailable("the server is shutting down") if not self._accepting
+                else ResourceExhausted(f"more than {self._limit} calls in flight on one connection")
+            )
             self.channel.send_soon(_error_message(call_id, error))
             return
-        server = self.server
-        handler = server._handlers.get(request.method)
-        slots = server._slots
+        handler = self._handlers.get(request.method)
+        slots = self.server._slots
         assert slots is not None
         if (handler is not None and handler.inline and request.stream_arg < 0
                 and slots.try_acquire()):
@@ -384,7 +386,7 @@ class _Session:
         reply: protocol.Message | None
         try:
             try:
-                args, kwargs = _unpack_arguments(request, handler, self.server._decoder)
+                args, kwargs = _unpack_arguments(request, handler, self._decoder)
                 try:  # _check_arguments, inlined
                     handler.check(args, kwargs)
                 except TypeError as exc:
@@ -399,7 +401,7 @@ class _Session:
                     coro.close()
                     raise RuntimeError(f"{handler.name} suspended, though it has no await")
                 reply = protocol.Response(request.call_id,
-                                          _encode(result, handler.name, self.server._encoder))
+                                          _encode(result, handler.name, self._encoder))
                 failed = False
             finally:
                 slots.release()
@@ -411,9 +413,8 @@ class _Session:
             reply = _error_message(request.call_id, exc)
         finally:
             metrics.observe(time.perf_counter() - started, error=failed)
-            if self.server.config.timeline is not None:
-                self.server.config.timeline.add_since(request.method, "rpc.server", started,
-                                                      error=failed)
+            if self._timeline is not None:
+                self._timeline.add_since(request.method, "rpc.server", started, error=failed)
         if reply is not None:
             # Not contextlib.suppress: three Python calls more, every call.
             try:  # noqa: SIM105

@@ -243,15 +243,15 @@ class Encoder:
         except (ValueError, TypeError, OverflowError) as exc:
             raise EncodeError(f"cannot encode value: {exc}") from exc
         nbufs = len(bufs)
-        if len(body) + PREFIX_SIZE > self._limits.max_header_bytes:
+        if len(body) + PREFIX_SIZE > self._max_header:
             raise EncodeError(
                 f"header of {len(body) + PREFIX_SIZE} bytes exceeds "
-                f"limits.max_header_bytes={self._limits.max_header_bytes}"
+                f"limits.max_header_bytes={self._max_header}"
             )
-        if nbufs > self._limits.max_buffers:
-            raise EncodeError(
-                f"{nbufs} buffers exceed limits.max_buffers={self._limits.max_buffers}"
-            )
+        if nbufs > self._max_buffers:
+            raise EncodeError(f"{nbufs} buffers exceed limits.max_buffers={self._max_buffers}")
+        if nbufs < len(_PREFIXES):
+            return _PREFIXES[nbufs] + body, bufs
         return PREFIX_STRUCT.pack(PREFIX, nbufs) + body, bufs
 
     # -- the fast path ----------------------------------------------------------

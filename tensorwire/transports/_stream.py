@@ -27,7 +27,15 @@ from ._base import (
     is_device_frame,
     start_eagerly,
 )
-from ._wire import GOODBYE, FrameReader, Refused, pack_header, pack_one_frame
+from ._wire import (
+    _ONE_FRAME,
+    GOODBYE,
+    KIND_DATA,
+    FrameReader,
+    Refused,
+    pack_header,
+    pack_one_frame,
+)
 from .config import TransportConfig
 
 __all__ = ("StreamConnection", "outgoing")
@@ -86,11 +94,13 @@ _HOST_TYPES = frozenset({bytes, bytearray, memoryview})
 def _outgoing_many(messages: Sequence[Sequence[Any]]) -> list[Any]:
     buffers: list[Any] = []
     append = buffers.append
+    pack = _ONE_FRAME.pack
     for frames in messages:
         if len(frames) == 1 and type(frames[0]) is bytes:
-            # outgoing()'s first case, inlined: a batch of small RPC messages.
+            # outgoing()'s first case (pack_one_frame), inlined: a batch of
+            # small RPC messages.
             frame = frames[0]
-            append(pack_one_frame(len(frame)))
+            append(pack(KIND_DATA, 0, 0, 1, len(frame), 0))
             append(frame)
         else:
             buffers.extend(outgoing(frames))
