@@ -34,11 +34,17 @@ class Proxy:
             raise AttributeError(f"{self._name} has no remote method {attr!r}")
         full = f"{self._name}.{info.name}"
         client, timeout, idempotent = self._client, self._timeout, info.idempotent
+        remote: Callable[..., Any]
+        if info.streaming:
+            stream = client.stream
 
-        def remote(*args: Any, **kwargs: Any) -> Any:
-            if info.streaming:
-                return client.stream(full, *args, timeout=timeout, **kwargs)
-            return client.call(full, *args, timeout=timeout, idempotent=idempotent, **kwargs)
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                return stream(full, *args, timeout=timeout, **kwargs)
+        else:
+            call = client.call
+
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                return call(full, *args, timeout=timeout, idempotent=idempotent, **kwargs)
 
         remote.__name__ = attr
         remote.__doc__ = info.doc

@@ -429,7 +429,9 @@ class Client:
                         session.watch(call_id, deadline + _DEADLINE_GRACE)
                         pump: asyncio.Task[None] | None = None
                         try:
-                            remaining = max(deadline - loop.time(), 0.0)
+                            remaining = deadline - loop.time()
+                            if remaining < 0.0:
+                                remaining = 0.0
                             metrics.bytes_out += channel.post(
                                 protocol.Request(call_id, method, remaining, stream_arg, payload)
                             )

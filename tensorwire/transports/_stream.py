@@ -352,10 +352,11 @@ class StreamConnection(Connection):
 
     def _pump(self) -> bool:
         reader = self._reader
+        events = reader.events
         while True:
-            while reader.events:
-                event = reader.events.popleft()
-                if not isinstance(event, list):
+            while events:
+                event = events.popleft()
+                if type(event) is not list:
                     if isinstance(event, Refused):
                         self.messages_received += 1
                         self._refused(event.error)
