@@ -31,8 +31,8 @@ __all__ = ("BATCH", "Channel", "frames_nbytes")
 
 logger = logging.getLogger(__name__)
 
-#: Messages gathered in one loop turn are written together, at most this many
-#: per write (see ``Channel.post``).
+#: Messages posted in one loop turn are written together, this many at a time
+#: (see ``Channel.post``).
 BATCH = 32
 
 
@@ -118,14 +118,14 @@ class Channel:
     def post(self, message: Message) -> int:
         """Queue ``message`` for sending without waiting; returns its size.
 
-        The first message of an event-loop turn is written at once, so that
-        the peer starts on it while this side works on; later ones in the
-        same turn are gathered and written together, every ``BATCH``
-        messages and at the end of the turn, one system call for many small
-        messages. While the transport cannot take more (a full socket),
-        messages wait here, in order. Gathering every message of a turn
-        before writing anything made the two ends take turns instead of
-        working at the same time.
+        Messages of one event-loop turn are gathered and written together,
+        every ``BATCH`` messages and at the end of the turn: one system call
+        for many small messages (on a VM a loopback write costs tens of
+        microseconds). While the transport cannot take more (a full socket),
+        messages wait here, in order. Both limits matter with many calls in
+        flight: gathering a whole turn made the two ends take turns instead
+        of working at the same time, and writing each turn's first message
+        at once cost a system call that carried one message.
 
         Raises:
             Unavailable: the connection is gone.
@@ -141,7 +141,6 @@ class Channel:
         if self._writing is None:
             if self._turn is None:
                 self._turn = self._loop.call_soon(self._end_turn)
-                self._flush()
             elif len(outbox) >= BATCH:
                 self._flush()
         return frames

@@ -1,4 +1,4 @@
-"""The RPC channel's write path: messages queued behind a stuck write."""
+"""The RPC channel's write path: batching, and messages queued behind a stuck write."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from tensorwire.errors import ConnectionClosedError, TensorwireError, Unavailable
 from tensorwire.rpc import protocol
-from tensorwire.rpc._channel import Channel
+from tensorwire.rpc._channel import BATCH, Channel
 from tensorwire.transports import Connection, TransportConfig, connect, listen
 
 SMALL_BUFFERS = TransportConfig(socket_sndbuf=1 << 16, socket_rcvbuf=1 << 16)
@@ -27,6 +27,41 @@ def _channel(conn: Connection, closed: list[TensorwireError]) -> Channel:
     channel = Channel(conn, lambda message, nbytes: None, closed.append, heartbeat_timeout=60)
     channel.start()
     return channel
+
+
+async def test_messages_of_one_loop_turn_go_out_in_batches_in_order() -> None:
+    received: list[int] = []
+    arrived = asyncio.Event()
+
+    async def reader(conn: Connection) -> None:
+        with contextlib.suppress(ConnectionClosedError):
+            while True:
+                received.append(protocol.parse(await conn.recv()).call_id)
+                if len(received) == 2 * BATCH + 7:
+                    arrived.set()
+
+    listener = await listen("tcp://127.0.0.1:0", reader)
+    conn = await connect(listener.address)
+    batches: list[int] = []
+    send_nowait = conn.send_nowait
+
+    def counted(messages: Any) -> Any:
+        batches.append(len(messages))
+        return send_nowait(messages)
+
+    conn.send_nowait = counted  # type: ignore[method-assign]
+    channel = _channel(conn, [])
+    for call_id in range(2 * BATCH + 6):  # one turn: no await in between
+        channel.post(protocol.Response(call_id, [b"value"]))
+    assert batches == [BATCH, BATCH]  # the rest waits for the end of the turn
+    await asyncio.sleep(0)
+    assert batches == [BATCH, BATCH, 6]
+    channel.post(protocol.Response(2 * BATCH + 6, [b"value"]))
+    await asyncio.wait_for(arrived.wait(), 10)
+    assert batches == [BATCH, BATCH, 6, 1]
+    assert received == list(range(2 * BATCH + 7))
+    await channel.close()
+    await listener.close()
 
 
 async def test_messages_queued_behind_a_stuck_write_all_arrive_in_order() -> None:
