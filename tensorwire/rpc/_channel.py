@@ -91,6 +91,8 @@ class Channel:
         self._writing: asyncio.Future[None] | None = None
         self._writing_flushed: asyncio.Future[None] | None = None
         self._turn: asyncio.Handle | None = None
+        # Write a turn's first message at once (see post()).
+        self._eager = not conn.coalesces_sends
         self.error: TensorwireError | None = None
 
     @property
@@ -118,14 +120,16 @@ class Channel:
     def post(self, message: Message) -> int:
         """Queue ``message`` for sending without waiting; returns its size.
 
-        Messages of one event-loop turn are gathered and written together,
-        every ``BATCH`` messages and at the end of the turn: one system call
-        for many small messages (on a VM a loopback write costs tens of
-        microseconds). While the transport cannot take more (a full socket),
-        messages wait here, in order. Both limits matter with many calls in
-        flight: gathering a whole turn made the two ends take turns instead
-        of working at the same time, and writing each turn's first message
-        at once cost a system call that carried one message.
+        Messages of one event-loop turn are handed to the transport
+        together, every ``BATCH`` messages and at the end of the turn. Where
+        that saves work (``conn.coalesces_sends``: tcp://, one system call
+        for many small messages, and on a VM a loopback write costs tens of
+        microseconds), the turn's first message waits for the others too;
+        elsewhere (ucx://, one post per message whatever the batch) it goes
+        at once, so that the peer starts on it while this side works on.
+        While the transport cannot take more (a full socket), messages wait
+        here, in order. Gathering a whole turn before writing anything made
+        the two ends take turns instead of working at the same time.
 
         Raises:
             Unavailable: the connection is gone.
@@ -141,6 +145,8 @@ class Channel:
         if self._writing is None:
             if self._turn is None:
                 self._turn = self._loop.call_soon(self._end_turn)
+                if self._eager:
+                    self._flush()
             elif len(outbox) >= BATCH:
                 self._flush()
         return frames

@@ -363,6 +363,10 @@ class Connection(abc.ABC):
 
     #: The transport's URL scheme ("tcp", "ucx", "inproc").
     scheme: str = ""
+    #: True where ``send_nowait`` of many messages costs about what one does
+    #: (a byte stream: one system call), so a sender of many small messages
+    #: gains by handing them over together rather than each as it comes.
+    coalesces_sends: bool = False
     #: Counters the transport keeps (see :meth:`stats`).
     messages_sent: int = 0
     messages_received: int = 0

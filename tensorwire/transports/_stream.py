@@ -110,6 +110,8 @@ def _outgoing_many(messages: Sequence[Sequence[Any]]) -> list[Any]:
 class StreamConnection(Connection):
     """A connection over an ordered byte stream, speaking docs/protocol.md."""
 
+    coalesces_sends = True
+
     def __init__(
         self,
         config: TransportConfig,

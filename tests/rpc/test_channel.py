@@ -29,7 +29,10 @@ def _channel(conn: Connection, closed: list[TensorwireError]) -> Channel:
     return channel
 
 
-async def test_messages_of_one_loop_turn_go_out_in_batches_in_order() -> None:
+async def test_messages_of_one_loop_turn_go_out_in_batches_in_order(url: str) -> None:
+    if url.startswith("inproc"):
+        pytest.skip("an inproc:// send completes through the event loop, which then "
+                    "decides the batches")
     received: list[int] = []
     arrived = asyncio.Event()
 
@@ -40,7 +43,7 @@ async def test_messages_of_one_loop_turn_go_out_in_batches_in_order() -> None:
                 if len(received) == 2 * BATCH + 7:
                     arrived.set()
 
-    listener = await listen("tcp://127.0.0.1:0", reader)
+    listener = await listen(url, reader)
     conn = await connect(listener.address)
     batches: list[int] = []
     send_nowait = conn.send_nowait
@@ -53,12 +56,16 @@ async def test_messages_of_one_loop_turn_go_out_in_batches_in_order() -> None:
     channel = _channel(conn, [])
     for call_id in range(2 * BATCH + 6):  # one turn: no await in between
         channel.post(protocol.Response(call_id, [b"value"]))
-    assert batches == [BATCH, BATCH]  # the rest waits for the end of the turn
+    # The rest waits for the end of the turn; where a batch costs what one
+    # message does (a byte stream), the first message waits too.
+    first = [] if conn.coalesces_sends else [1]
+    assert batches == [*first, BATCH, BATCH]
     await asyncio.sleep(0)
-    assert batches == [BATCH, BATCH, 6]
+    rest = [6] if conn.coalesces_sends else [5]
+    assert batches == [*first, BATCH, BATCH, *rest]
     channel.post(protocol.Response(2 * BATCH + 6, [b"value"]))
     await asyncio.wait_for(arrived.wait(), 10)
-    assert batches == [BATCH, BATCH, 6, 1]
+    assert batches == [*first, BATCH, BATCH, *rest, 1]
     assert received == list(range(2 * BATCH + 7))
     await channel.close()
     await listener.close()
