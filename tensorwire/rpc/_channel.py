@@ -279,11 +279,7 @@ class Channel:
         self._last_seen = self._loop.time()
         try:
             message = protocol.parse(frames)
-            # frames_nbytes(), its first case inlined: a small message.
-            if len(frames) == 1 and type(frames[0]) is bytearray:
-                self._on_message(message, len(frames[0]))
-            else:
-                self._on_message(message, frames_nbytes(frames))
+            self._on_message(message, frames_nbytes(frames))
         except TensorwireError as exc:
             logger.warning("closing connection to %s: %s", self.conn.peer_address, exc)
             self.close_with(exc)

@@ -335,7 +335,7 @@ class _Session:
         """A request or stream item beyond the server's limits was skipped:
         that call fails with RESOURCE_EXHAUSTED, the connection goes on."""
         if isinstance(message, protocol.Request):
-            handler = self.server._handlers.get(message.method)
+            handler = self._handlers.get(message.method)
             if handler is not None:
                 handler.metrics.observe(0.0, error=True)
             exhausted = ResourceExhausted(
@@ -463,7 +463,7 @@ class _InStream:
                                                                  self._consumed))
             self._consumed = 0
         assert isinstance(message, protocol.Item)
-        return _decode(message.value, "stream item", self._call.session.server._decoder)
+        return _decode(message.value, "stream item", self._call.session._decoder)
 
 
 def _unpack_arguments(
@@ -611,7 +611,7 @@ class _Call:
                         await self._stream(handler, args, kwargs)
                     else:
                         result = await handler.func(*args, **kwargs)
-                        encoder = self.session.server._encoder
+                        encoder = self.session._encoder
                         reply = protocol.Response(self.call_id,
                                                   _encode(result, handler.name, encoder))
                 except asyncio.CancelledError:
@@ -637,7 +637,7 @@ class _Call:
         finally:
             if self.metrics is not None:
                 self.metrics.observe(time.perf_counter() - started, error=failed)
-            timeline = self.session.server.config.timeline
+            timeline = self.session._timeline
             if timeline is not None:
                 timeline.add_since(self.request.method, "rpc.server", started, error=failed)
         # The call's slot is free, and its metrics complete, before the
@@ -651,7 +651,7 @@ class _Call:
                     self.metrics.bytes_out += sent
 
     def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
-        args, kwargs = _unpack_arguments(self.request, handler, self.session.server._decoder)
+        args, kwargs = _unpack_arguments(self.request, handler, self.session._decoder)
         stream_arg = self.request.stream_arg
         if stream_arg >= 0:
             if stream_arg > len(args):
@@ -674,7 +674,7 @@ class _Call:
                     await self._credit_event.wait()
                 self._credit -= 1
                 await self._send(protocol.Item(
-                    self.call_id, _encode(item, handler.name, self.session.server._encoder)))
+                    self.call_id, _encode(item, handler.name, self.session._encoder)))
         finally:
             await generator.aclose()
         await self._send(protocol.End(self.call_id))

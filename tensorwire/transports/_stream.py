@@ -28,9 +28,9 @@ from ._base import (
     start_eagerly,
 )
 from ._wire import (
-    _ONE_FRAME,
     GOODBYE,
     KIND_DATA,
+    ONE_FRAME,
     FrameReader,
     Refused,
     pack_header,
@@ -94,7 +94,7 @@ _HOST_TYPES = frozenset({bytes, bytearray, memoryview})
 def _outgoing_many(messages: Sequence[Sequence[Any]]) -> list[Any]:
     buffers: list[Any] = []
     append = buffers.append
-    pack = _ONE_FRAME.pack
+    pack = ONE_FRAME.pack
     for frames in messages:
         if len(frames) == 1 and type(frames[0]) is bytes:
             # outgoing()'s first case (pack_one_frame), inlined: a batch of

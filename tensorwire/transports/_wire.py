@@ -50,9 +50,10 @@ _PRELUDE = struct.Struct("<BBHI")
 PRELUDE_SIZE = _PRELUDE.size
 GOODBYE = _PRELUDE.pack(KIND_GOODBYE, 0, 0, 0)
 #: A one-frame host message's prelude and frame table in one: kind, the
-#: reserved fields, frame count, frame size, device code with its padding.
-_ONE_FRAME = struct.Struct("<BBHIQQ")
-_ONE_FRAME_SIZE = _ONE_FRAME.size
+#: reserved fields, frame count, frame size, device code with its padding
+#: (``pack_one_frame``; the stream driver packs a batch with it directly).
+ONE_FRAME = struct.Struct("<BBHIQQ")
+ONE_FRAME_SIZE = ONE_FRAME.size
 
 DEVICE_CODES = {"cpu": 0, "cuda": 1}
 _DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
@@ -119,7 +120,7 @@ def pack_header(sizes: Sequence[int], devices: Sequence[str] | None = None) -> b
 
 def pack_one_frame(nbytes: int) -> bytes:
     """``pack_header([nbytes])``, the common case, at a fraction of the cost."""
-    return _ONE_FRAME.pack(KIND_DATA, 0, 0, 1, nbytes, 0)
+    return ONE_FRAME.pack(KIND_DATA, 0, 0, 1, nbytes, 0)
 
 
 class Goodbye:
@@ -408,12 +409,12 @@ class FrameReader:
         limit = self._small_max
         events = self.events
         as_bytearray = self.small_as_bytearray
-        while end - start >= _ONE_FRAME_SIZE:
-            kind, r1, r2, nframes, size, code = _ONE_FRAME.unpack_from(data, start)
+        while end - start >= ONE_FRAME_SIZE:
+            kind, r1, r2, nframes, size, code = ONE_FRAME.unpack_from(data, start)
             if (nframes != 1 or kind != KIND_DATA or r1 or r2 or code or size > limit
-                    or end - start - _ONE_FRAME_SIZE < size):
+                    or end - start - ONE_FRAME_SIZE < size):
                 break
-            start += _ONE_FRAME_SIZE
+            start += ONE_FRAME_SIZE
             if as_bytearray:
                 events.append([data[start : start + size]])
             else:
