@@ -87,8 +87,12 @@ class _Inbox:
                 _wake(waiters)  # pass on the wake-up this waiter can no longer use
             raise
         finally:
-            with contextlib.suppress(ValueError):
-                waiters.remove(waiter)
+            # A woken waiter was popped already; remove() of a missing item
+            # formats its repr into the ValueError, which costs more than
+            # the rest of a call here.
+            if not waiter.done() or waiter.cancelled():
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
 
 
 def _wake(waiters: deque[asyncio.Future[None]]) -> None:
