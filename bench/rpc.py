@@ -21,8 +21,11 @@ UCX reads its settings once per process, so each variant gets fresh ones):
   alternates between them call by call and echo by echo, so that both see
   the same process placement and the same moment of this shared host. The
   targets that compare the RPC with its transport use these pairs. The
-  same against grpc.aio (both on uvloop there, which grpc.aio supports),
-  for the targets that compare the RPC with gRPC.
+  same against grpc.aio for the targets that compare the RPC with gRPC,
+  except that the RPC and grpc.aio each run in a server and a client
+  process of their own (grpc.aio's threads slowed the RPC beside them in
+  one process), the RPC's client handing every other turn to the gRPC
+  client over a pipe; both on uvloop there, which grpc.aio supports.
 
 - instructions per tiny call, counted by valgrind's callgrind with the
   client and the server in one process (64 calls in flight over tcp://
@@ -91,12 +94,15 @@ class Plan:
     warmup_calls: int = 500
     latency_calls: int = 5000
     seconds: float = 3.0  # per calls-per-second measurement
-    reps: tuple[int, ...] = (50, 9, 5)  # echoes per size in SIZES, after one warm-up
+    # Echoes per size in SIZES, after one warm-up. A 1 MiB echo takes about
+    # a millisecond, and 50 of them left its paired ratio moving by a fifth
+    # from round to round.
+    reps: tuple[int, ...] = (200, 9, 5)
     sizes: tuple[int, ...] = tuple(SIZES)
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(warmup_calls=200, latency_calls=2000, seconds=1.0, reps=(10, 3, 2))
+        return cls(warmup_calls=200, latency_calls=2000, seconds=1.0, reps=(40, 3, 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +212,8 @@ def server_main(ready: Any, stop: Any, variant: Variant, profile: str | None,
                 cpu: int | None = None) -> None:
     _pin(cpu)
     serve = {"rpc": _rpc_server, "raw": _raw_server, "grpc": _grpc_server,
-             "floor": _floor_server, "pair": _pair_server,
-             "pair-grpc": _pair_grpc_server}[variant.kind]
+             "grpc-peer": _grpc_server, "floor": _floor_server,
+             "pair": _pair_server}[variant.kind]
     with _Profile(profile):
         _run_loop(variant.kind, lambda: serve(ready, stop, variant))
 
@@ -286,15 +292,6 @@ async def _grpc_server(ready: Any, stop: Any, variant: Variant) -> None:
     await server.stop(1.0)
 
 
-async def _pair_grpc_server(ready: Any, stop: Any, variant: Variant) -> None:
-    rpc_server = await _start_rpc(variant.url)
-    grpc_server, grpc_address = await _start_grpc()
-    ready.put((rpc_server.addresses[0], grpc_address))
-    await _wait_stop(stop)
-    await grpc_server.stop(1.0)
-    await rpc_server.close(grace=1.0)
-
-
 class _FloorEcho(asyncio.Protocol):
     """Echoes every whole record it has, in one write."""
 
@@ -331,6 +328,94 @@ class _Caller:
 
     async def close(self) -> None:
         raise NotImplementedError
+
+    async def time_tiny(self) -> float:
+        """Seconds one tiny call takes."""
+        start = time.perf_counter()
+        await self.tiny()
+        return time.perf_counter() - start
+
+    async def time_echo(self, arr: np.ndarray[Any, Any], *, check: bool = False) -> float:
+        """Seconds one echo of ``arr`` takes; ``check``: that it came back."""
+        start = time.perf_counter()
+        back = await self.tensor(arr)
+        elapsed = time.perf_counter() - start
+        if check:
+            _check_echo(arr, back)
+        return elapsed
+
+
+class _TurnTaker(_Caller):
+    """A caller in a process of its own (``turn_taker_main``), one turn per
+    request over a pipe, timed there: the pair's other client, where sharing
+    the RPC client's process would slow the RPC (grpc.aio's threads)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    async def open(self, address: str) -> _TurnTaker:
+        """Wait until the turn taker has connected (to ``address``, its own)."""
+        await self._answer()
+        return self
+
+    async def _answer(self) -> float:
+        # A thread waits for the answer, so the RPC client's loop keeps
+        # serving its connection (heartbeats) meanwhile.
+        status, value = await asyncio.get_running_loop().run_in_executor(None, self.conn.recv)
+        if status != "ok":
+            raise RuntimeError(value)
+        return float(value)
+
+    async def _ask(self, *command: Any) -> float:
+        self.conn.send(command)
+        return await self._answer()
+
+    async def time_tiny(self) -> float:
+        return await self._ask("tiny")
+
+    async def time_echo(self, arr: np.ndarray[Any, Any], *, check: bool = False) -> float:
+        return await self._ask("echo", arr.nbytes, check)
+
+    async def close(self) -> None:
+        self.conn.send(("stop",))
+
+
+def turn_taker_main(conn: Any, address: str, cpu: int | None) -> None:
+    """The pair's grpc.aio client (uvloop), taking the turns ``_TurnTaker`` asks for."""
+    _pin(cpu)
+
+    async def main() -> None:
+        try:
+            caller = await _GRPCCaller().open(address)
+        except Exception as exc:
+            conn.send(("error", f"connecting: {type(exc).__name__}: {exc}"))
+            return
+        conn.send(("ok", 0.0))
+        arrays: dict[int, np.ndarray[Any, Any]] = {}
+        try:
+            while True:
+                command = conn.recv()
+                try:
+                    if command[0] == "tiny":
+                        elapsed = await caller.time_tiny()
+                    elif command[0] == "echo":
+                        _, nbytes, check = command
+                        arr = arrays.get(nbytes)
+                        if arr is None:
+                            arrays.clear()  # one size at a time
+                            arr = arrays[nbytes] = np.arange(nbytes // 4, dtype=np.float32)
+                        elapsed = await caller.time_echo(arr, check=check)
+                    else:
+                        return
+                except Exception as exc:
+                    conn.send(("error", f"{type(exc).__name__}: {exc}"))
+                    continue
+                conn.send(("ok", elapsed))
+        finally:
+            await caller.close()
+
+    with contextlib.suppress(EOFError, OSError):
+        _run_loop("grpc-peer", main)
 
 
 class _RPCCaller(_Caller):
@@ -541,14 +626,11 @@ async def _measure_pair(callers: dict[str, _Caller], plan: Plan) -> dict[str, An
 
     for _ in range(plan.warmup_calls):
         for name in names:
-            await callers[name].tiny()
+            await callers[name].time_tiny()
     samples: dict[str, list[float]] = {name: [] for name in names}
-    clock = time.perf_counter
     for i in range(plan.latency_calls):
         for name in turns(i):
-            start = clock()
-            await callers[name].tiny()
-            samples[name].append(clock() - start)
+            samples[name].append(await callers[name].time_tiny())
     for name in names:
         ordered = sorted(samples[name])
         out[name] = {"p50": ordered[len(ordered) // 2], "bw": {}}
@@ -557,13 +639,10 @@ async def _measure_pair(callers: dict[str, _Caller], plan: Plan) -> dict[str, An
         times: dict[str, list[float]] = {name: [] for name in names}
         try:
             for name in names:
-                _check_echo(arr, await callers[name].tensor(arr))  # warm-up
+                await callers[name].time_echo(arr, check=True)  # warm-up
             for i in range(reps):
                 for name in turns(i):
-                    start = clock()
-                    back = await callers[name].tensor(arr)
-                    times[name].append(clock() - start)
-                    del back
+                    times[name].append(await callers[name].time_echo(arr))
         except Exception as exc:  # one broken size does not hide the others
             out["errors"].append(f"{size // MiB} MiB echo: {type(exc).__name__}: {exc}")
             continue
@@ -573,15 +652,18 @@ async def _measure_pair(callers: dict[str, _Caller], plan: Plan) -> dict[str, An
 
 
 def client_main(done: Any, address: Any, variant: Variant, plan: Plan,
-                profile: str | None, only_cps64: bool, cpu: int | None = None) -> None:
+                profile: str | None, only_cps64: bool, cpu: int | None = None,
+                peer: Any = None) -> None:
+    """``peer``: the pipe to the turn taker of a pair with grpc.aio."""
     _pin(cpu)
 
     async def main() -> dict[str, Any]:
         if variant.kind in PAIRED:
             rpc_address, other_address = address
-            other: _Caller = _RawCaller() if variant.kind == "pair" else _GRPCCaller()
+            other = await (_RawCaller() if variant.kind == "pair"
+                           else _TurnTaker(peer)).open(other_address)
             callers: dict[str, _Caller] = {"rpc": await _RPCCaller().open(rpc_address),
-                       PAIRED[variant.kind]: await other.open(other_address)}
+                                           PAIRED[variant.kind]: other}
             try:
                 return await _measure_pair(callers, plan)
             finally:
@@ -692,34 +774,59 @@ def run_variant(variant: Variant, plan: Plan, timeout: float, *,
                 pin: bool = False) -> dict[str, Any] | str:
     """The client's results, or why the variant did not run."""
     ctx = mp.get_context("spawn")
-    ready, stop, done = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    stop, done = ctx.Queue(), ctx.Queue()
     srv_prof = str(profile_dir / "server.prof") if profile_dir else None
     cli_prof = str(profile_dir / "client.prof") if profile_dir else None
     srv_cpu, cli_cpu = placement(pin)
-    srv = ctx.Process(target=server_main, args=(ready, stop, variant, srv_prof, srv_cpu),
-                      daemon=True)
-    srv.start()
-    cli = None
-    try:
+    procs: list[Any] = []  # in start order; stopped in reverse
+    servers = 0
+
+    def start(target: Callable[..., None], *args: Any) -> Any:
+        proc = ctx.Process(target=target, args=args, daemon=True)
+        proc.start()
+        procs.append(proc)
+        return proc
+
+    def serve(served: Variant, prof: str | None) -> Any:
+        """Start a server process; its address, or None if it did not start."""
+        nonlocal servers
+        ready = ctx.Queue()
+        start(server_main, ready, stop, served, prof, srv_cpu)
+        servers += 1
         try:
-            address = ready.get(timeout=60)
+            return ready.get(timeout=60)
         except queue.Empty:
+            return None
+
+    try:
+        peer = None
+        if variant.kind == "pair-grpc":
+            # The RPC and grpc.aio each in processes of their own: grpc.aio's
+            # threads beside the RPC in one process slowed the RPC's echo
+            # right after a gRPC echo by about a fifth (64 MiB over ucx://).
+            rpc_address = serve(dataclasses.replace(variant, kind="rpc"), srv_prof)
+            grpc_address = serve(Variant(variant.name, "grpc-peer", ""), None)
+            address = None if None in (rpc_address, grpc_address) else (
+                rpc_address, grpc_address)
+            if address is not None:
+                peer, theirs = ctx.Pipe()
+                start(turn_taker_main, theirs, grpc_address, cli_cpu)
+        else:
+            address = serve(variant, srv_prof)
+        if address is None:
+            codes = [p.exitcode for p in procs if p.exitcode is not None]
             return "the server did not start within 60 s" + (
-                f" (exit code {srv.exitcode})" if srv.exitcode is not None else "")
-        cli = ctx.Process(target=client_main,
-                          args=(done, address, variant, plan, cli_prof, only_cps64, cli_cpu),
-                          daemon=True)
-        cli.start()
+                f" (exit code {codes[0]})" if codes else "")
+        start(client_main, done, address, variant, plan, cli_prof, only_cps64, cli_cpu, peer)
         try:
             _status, value = done.get(timeout=timeout)
         except queue.Empty:
             return f"timed out after {timeout:.0f} s"
         return value  # the results, or the error text
     finally:
-        stop.put("stop")
-        for proc in (cli, srv):
-            if proc is None:
-                continue
+        for _ in range(servers):
+            stop.put("stop")
+        for proc in reversed(procs):
             proc.join(20)
             if proc.is_alive():
                 proc.kill()
@@ -934,16 +1041,22 @@ def paired_section(rows: dict[str, dict[str, Any] | str], pairs: list[str],
                    plan: Plan, other: str) -> list[str]:
     """The table of the paired variants against ``other`` (raw or grpc.aio)."""
     against = "its raw transport" if other == "raw" else "grpc.aio"
+    if other == "raw":
+        how = ("One server process hosts the RPC echo and the raw echo side by side; one "
+               "client process takes turns between them, call by call and echo by echo "
+               "(who goes first alternates), so that both see the same process placement "
+               "and the same moment of this shared host.")
+    else:
+        how = ("The RPC and grpc.aio each run in a server process and a client process of "
+               "their own, and the two clients take turns, call by call and echo by echo "
+               "(who goes first alternates; the RPC's client hands the gRPC client its "
+               "turns over a pipe, and each client times its own calls), so that both see "
+               "the same moment of this shared host. In one process pair, grpc.aio's "
+               "threads slowed the RPC's echo right after a gRPC echo by about a fifth "
+               "(64 MiB over ucx://). Both on uvloop here, which grpc.aio supports; "
+               "grpc.aio runs over TCP whatever the RPC's transport.")
     out = ["", f"## RPC against {against}, paired", "",
-           f"One server process hosts the RPC echo and the {other} echo side by side; "
-           "one client process takes turns between them, call by call and echo by echo "
-           "(who goes first alternates), so that both see the same process placement and "
-           "the same moment of this shared host"
-           + (" (both on uvloop here, which grpc.aio supports; grpc.aio runs over TCP "
-              "whatever the RPC's transport, and its own threads in both processes slow "
-              "the RPC beside it on these 2 cores: compare the RPC's figures with the "
-              "table above)" if other != "raw" else "")
-           + f". Latency: the median over {plan.latency_calls:,} turns each; bandwidth: as "
+           how + f" Latency: the median over {plan.latency_calls:,} turns each; bandwidth: as "
            "above. A ratio is the median over the rounds of each round's ratio (min to max "
            "in brackets); the targets use these ratios.", "",
            f"| variant | tiny p50, RPC / {other} (µs) | RPC ÷ {other} | "
