@@ -134,12 +134,25 @@ class Channel:
         Raises:
             Unavailable: the connection is gone.
         """
-        return frames_nbytes(self._post(message))
+        return self.post_frames(protocol.encode(message))
+
+    def post_frames(self, frames: list[Any]) -> int:
+        """``post`` for a message already encoded (``protocol.encode_request``
+        and ``encode_response``: the hot paths make no message object)."""
+        self._queue(frames)
+        frame = frames[0]
+        if len(frames) == 1 and type(frame) is bytes:  # frames_nbytes' first case
+            return len(frame)
+        return frames_nbytes(frames)
 
     def _post(self, message: Message) -> list[Any]:
         if self.error is not None:
             raise _unavailable(self.error)
-        frames = protocol.encode(message)
+        return self._queue(protocol.encode(message))
+
+    def _queue(self, frames: list[Any]) -> list[Any]:
+        if self.error is not None:
+            raise _unavailable(self.error)
         outbox = self._outbox
         outbox.append(frames)
         if self._writing is None:
@@ -279,7 +292,9 @@ class Channel:
         self._last_seen = self._loop.time()
         try:
             message = protocol.parse(frames)
-            self._on_message(message, frames_nbytes(frames))
+            frame = frames[0]
+            self._on_message(message, len(frame) if len(frames) == 1 and type(frame) is bytearray
+                             else frames_nbytes(frames))
         except TensorwireError as exc:
             logger.warning("closing connection to %s: %s", self.conn.peer_address, exc)
             self.close_with(exc)

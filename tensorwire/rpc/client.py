@@ -432,9 +432,8 @@ class Client:
                             remaining = deadline - loop.time()
                             if remaining < 0.0:
                                 remaining = 0.0
-                            metrics.bytes_out += channel.post(
-                                protocol.Request(call_id, method, remaining, stream_arg, payload)
-                            )
+                            metrics.bytes_out += channel.post_frames(protocol.encode_request(
+                                call_id, method, remaining, stream_arg, payload))
                             if source is not None:
                                 pending.credit_event = asyncio.Event()
                                 pump = loop.create_task(

@@ -255,27 +255,35 @@ def encode(message: Message) -> list[Any]:
         return [_REPLY.pack(cls.kind, 0, 0, 0, message.call_id) + value[0], *value[1:]]
     if cls is Request:
         assert isinstance(message, Request)
-        return _encode_request(message)
+        return encode_request(message.call_id, message.method, message.timeout,
+                              message.stream_arg, message.value)
     head = [int(message.kind), message.call_id]
     head.extend(getattr(message, name) for name in message.fields)
     return [msgpack.packb(head, use_bin_type=True), *message.payload]
 
 
-def _encode_request(message: Request) -> list[Any]:
-    method = message.method.encode()
-    if len(method) > 0xFFFF:
-        raise ProtocolError(f"method name of {len(method)} bytes exceeds 65535")
-    timeout = message.timeout
-    value = message.value
+def encode_request(call_id: int, method: str, timeout: float | None, stream_arg: int,
+                   value: list[Any]) -> list[Any]:
+    """The frames of ``Request(call_id, method, timeout, stream_arg, value)``,
+    without making the message (the client's hot path)."""
+    name = method.encode()
+    if len(name) > 0xFFFF:
+        raise ProtocolError(f"method name of {len(name)} bytes exceeds 65535")
     head = _REQUEST.pack(
         _REQUEST_KIND,
         0 if timeout is None else _HAS_TIMEOUT,
-        len(method),
-        message.stream_arg,
-        message.call_id,
+        len(name),
+        stream_arg,
+        call_id,
         0.0 if timeout is None else timeout,
     )
-    return [head + method + value[0], *value[1:]]
+    return [head + name + value[0], *value[1:]]
+
+
+def encode_response(call_id: int, value: list[Any]) -> list[Any]:
+    """The frames of ``Response(call_id, value)``, without making the
+    message (the server's hot path)."""
+    return [_REPLY.pack(_RESPONSE, 0, 0, 0, call_id) + value[0], *value[1:]]
 
 
 def _parse_request(view: memoryview | bytearray, frames: Sequence[Any]) -> Request:

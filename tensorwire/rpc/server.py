@@ -383,7 +383,7 @@ class _Session:
         metrics = handler.metrics
         metrics.bytes_in += nbytes
         failed = True
-        reply: protocol.Message | None
+        reply: list[Any] | None  # its frames
         try:
             try:
                 args, kwargs = _unpack_arguments(request, handler, self._decoder)
@@ -400,8 +400,8 @@ class _Session:
                 else:
                     coro.close()
                     raise RuntimeError(f"{handler.name} suspended, though it has no await")
-                reply = protocol.Response(request.call_id,
-                                          _encode(result, handler.name, self._encoder))
+                reply = protocol.encode_response(request.call_id,
+                                                 _encode(result, handler.name, self._encoder))
                 failed = False
             finally:
                 slots.release()
@@ -410,7 +410,7 @@ class _Session:
         except Exception as exc:
             if not isinstance(exc, RemoteError):
                 logger.debug("%s raised", request.method, exc_info=exc)
-            reply = _error_message(request.call_id, exc)
+            reply = protocol.encode(_error_message(request.call_id, exc))
         finally:
             metrics.observe(time.perf_counter() - started, error=failed)
             if self._timeline is not None:
@@ -418,7 +418,7 @@ class _Session:
         if reply is not None:
             # Not contextlib.suppress: three Python calls more, every call.
             try:  # noqa: SIM105
-                metrics.bytes_out += self.channel.post(reply)
+                metrics.bytes_out += self.channel.post_frames(reply)
             except Unavailable:
                 pass  # the connection is gone: nobody to answer
 

@@ -54,6 +54,10 @@ GOODBYE = _PRELUDE.pack(KIND_GOODBYE, 0, 0, 0)
 #: (``pack_one_frame``; the stream driver packs a batch with it directly).
 ONE_FRAME = struct.Struct("<BBHIQQ")
 ONE_FRAME_SIZE = ONE_FRAME.size
+#: The same read as three words: a one-frame data message's prelude is the
+#: first word's one value, so a single comparison checks all four fields.
+_ONE_FRAME_WORDS = struct.Struct("<QQQ")
+_ONE_DATA_PRELUDE = KIND_DATA | 1 << 32
 
 DEVICE_CODES = {"cpu": 0, "cuda": 1}
 _DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
@@ -410,8 +414,8 @@ class FrameReader:
         events = self.events
         as_bytearray = self.small_as_bytearray
         while end - start >= ONE_FRAME_SIZE:
-            kind, r1, r2, nframes, size, code = ONE_FRAME.unpack_from(data, start)
-            if (nframes != 1 or kind != KIND_DATA or r1 or r2 or code or size > limit
+            prelude, size, code = _ONE_FRAME_WORDS.unpack_from(data, start)
+            if (prelude != _ONE_DATA_PRELUDE or code or size > limit
                     or end - start - ONE_FRAME_SIZE < size):
                 break
             start += ONE_FRAME_SIZE
