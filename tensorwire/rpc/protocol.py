@@ -64,6 +64,9 @@ _REQUEST_SIZE = _REQUEST.size
 #: call_id; then the serde header.
 _REPLY = struct.Struct("<BBHIQ")
 _REPLY_SIZE = _REPLY.size
+#: The same read as two words: the first is the kind alone exactly when the
+#: reserved fields are zero.
+_REPLY_WORDS = struct.Struct("<QQ")
 #: A bytearray frame up to this size is parsed by slicing (copies), larger
 #: ones through a memoryview.
 _SLICE_MAX = 4096
@@ -345,8 +348,8 @@ def parse(frames: Sequence[Any]) -> Message:
             # a function of its own: this runs for every call).
             if size <= _REPLY_SIZE:
                 raise ProtocolError(f"{Kind(kind).name} without its value")
-            _, zero1, zero2, zero3, call_id = _REPLY.unpack_from(view)
-            if zero1 or zero2 or zero3:
+            prelude, call_id = _REPLY_WORDS.unpack_from(view)
+            if prelude != kind:
                 raise ProtocolError(f"nonzero reserved bytes in a {Kind(kind).name} header")
             if call_id >= 1 << 63:
                 raise ProtocolError(f"bad call id {call_id}")
