@@ -41,8 +41,8 @@ of 1, 64 and 256 MiB (GB/s counting both directions, median of a few echoes
 after a warm-up). Receivers allocate a fresh buffer per message everywhere
 (the transports' default allocator), as an RPC must.
 
-    python bench/rpc.py                  # writes bench/results/rpc.md (3 rounds, ~3.5 min)
-    python bench/rpc.py --quick          # one round of shorter runs (~40 s)
+    python bench/rpc.py                  # writes bench/results/rpc.md (3 rounds, ~15 min)
+    python bench/rpc.py --quick          # one round of shorter runs (~3 min)
     python bench/rpc.py --profile DIR    # cProfile the 64-in-flight tcp:// case
     python bench/rpc.py --pin            # server and client on fixed, different CPUs
     python bench/rpc.py --instructions   # only the instruction counts (~4 min)

@@ -103,6 +103,16 @@ def test_response_and_item_layout_is_the_documented_one() -> None:
     assert p.encode(p.Item(6, [b"head"])) == [struct.pack("<BBHIQ", 14, 0, 0, 0, 6) + b"head"]
 
 
+@pytest.mark.parametrize("value", [[b"head"], [b"head", b"buf1", b"buf2"]], ids=["one", "three"])
+def test_the_hot_paths_encoders_make_what_encode_makes(value: list[bytes]) -> None:
+    assert p.encode_request(7, "Store.get", 1.5, 0, value) == p.encode(
+        p.Request(7, "Store.get", 1.5, 0, value))
+    assert p.encode_request(8, "S.m", None, -1, value) == p.encode(
+        p.Request(8, "S.m", None, -1, value))
+    assert p.encode_response(9, value) == p.encode(p.Response(9, value))
+    assert p.parse(p.encode_response(9, value)) == p.Response(9, value)
+
+
 def test_binary_messages_parse_from_numpy_frames_as_views() -> None:
     frame = np.frombuffer(p.encode(p.Response(3, [b"head"]))[0], np.uint8).copy()
     message = p.parse([frame, b"buf"])
@@ -129,6 +139,8 @@ def test_binary_messages_parse_from_numpy_frames_as_views() -> None:
         (_request(call_id=1 << 63), "bad call id"),
         (struct.pack("<BBHIQ", 11, 0, 0, 0, 1), "without its value"),
         (struct.pack("<BBHIQ", 14, 0, 1, 0, 1) + b"h", "nonzero reserved"),
+        (struct.pack("<BBHIQ", 11, 1, 0, 0, 1) + b"h", "nonzero reserved"),
+        (struct.pack("<BBHIQ", 11, 0, 0, 1 << 31, 1) + b"h", "nonzero reserved"),
         (struct.pack("<BBHIQ", 11, 0, 0, 0, 1 << 63) + b"h", "bad call id"),
     ],
 )

@@ -367,6 +367,21 @@ async def test_introspection_and_metrics(url: str) -> None:
     assert 0 < ours["Store.put"]["p50"] <= ours["Store.put"]["p99"]
 
 
+async def test_both_ends_count_the_same_bytes(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        store = client.proxy(Store)
+        await store.put("tensor", np.arange(100_000, dtype=np.float32))  # buffers out of band
+        await store.put("small", 7)  # one frame
+        await store.get("tensor")
+        await store.get("small")
+        theirs, ours = server.metrics(), client.metrics()
+    for method in ("Store.put", "Store.get"):
+        assert ours[method]["bytes_out"] == theirs[method]["bytes_in"]
+        assert ours[method]["bytes_in"] == theirs[method]["bytes_out"]
+    assert theirs["Store.put"]["bytes_in"] > 400_000
+    assert ours["Store.get"]["bytes_in"] > 400_000
+
+
 async def test_silent_server_is_detected_by_heartbeats() -> None:
     async def mute(conn: Any) -> None:
         shake = p.ServerHandshake(secret=None, max_concurrent=4)
