@@ -270,12 +270,13 @@ def encode_request(call_id: int, method: str, timeout: float | None, stream_arg:
     """The frames of ``Request(call_id, method, timeout, stream_arg, value)``,
     without making the message (the client's hot path)."""
     name = method.encode()
-    if len(name) > 0xFFFF:
-        raise ProtocolError(f"method name of {len(name)} bytes exceeds 65535")
+    length = len(name)
+    if length > 0xFFFF:
+        raise ProtocolError(f"method name of {length} bytes exceeds 65535")
     head = _REQUEST.pack(
         _REQUEST_KIND,
         0 if timeout is None else _HAS_TIMEOUT,
-        len(name),
+        length,
         stream_arg,
         call_id,
         0.0 if timeout is None else timeout,
@@ -332,7 +333,7 @@ def parse(frames: Sequence[Any]) -> Message:
         raise ProtocolError("empty RPC message")
     raw = frames[0]
     view: Any
-    if type(raw) is bytearray and len(raw) <= _SLICE_MAX:
+    if type(raw) is bytearray and (size := len(raw)) <= _SLICE_MAX:
         # A small frame as the transports deliver it to the RPC layer:
         # slices of it are cheap copies, where memoryviews cost more.
         view = raw
@@ -340,7 +341,7 @@ def parse(frames: Sequence[Any]) -> Message:
         view = memoryview(raw)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-    size = len(view)
+        size = len(view)
     if size:
         kind = view[0]
         if kind in (_RESPONSE, _ITEM):

@@ -102,6 +102,7 @@ _BYTES_LIKE: Final = frozenset({bytes, bytearray, memoryview})
 _SMALL_HEADER: Final = 4096
 #: Precomputed header prefixes for small buffer counts.
 _PREFIXES: Final = tuple(PREFIX_STRUCT.pack(PREFIX, n) for n in range(64))
+_PREFIXED: Final = len(_PREFIXES)
 _NO_BUFFERS_PREFIX: Final = _PREFIXES[0]
 
 
@@ -250,7 +251,7 @@ class Encoder:
             )
         if nbufs > self._max_buffers:
             raise EncodeError(f"{nbufs} buffers exceed limits.max_buffers={self._max_buffers}")
-        if nbufs < len(_PREFIXES):
+        if nbufs < _PREFIXED:
             return _PREFIXES[nbufs] + body, bufs
         return PREFIX_STRUCT.pack(PREFIX, nbufs) + body, bufs
 
@@ -287,7 +288,7 @@ class Encoder:
         nbufs = len(bufs)
         if size + PREFIX_SIZE > self._max_header or nbufs > self._max_buffers:
             return None
-        if nbufs < len(_PREFIXES):
+        if nbufs < _PREFIXED:
             return _PREFIXES[nbufs] + body, bufs
         return PREFIX_STRUCT.pack(PREFIX, nbufs) + body, bufs
 
@@ -575,7 +576,7 @@ class Decoder:
             (kind is bytes or kind is bytearray)
             and not buffers
             and header.startswith(_NO_BUFFERS_PREFIX)
-            and len(header) <= self._small_max
+            and (size := len(header)) <= self._small_max
             and self._used is _NO_BUFFERS
         ):
             # The small RPC message: the checks below in one (prefix, version
@@ -586,7 +587,7 @@ class Decoder:
                 )
             except Exception as exc:  # trust nothing; see below
                 raise _as_decode_error(exc) from None
-            if len(header) - PREFIX_SIZE > self._max_depth:
+            if size - PREFIX_SIZE > self._max_depth:
                 self._check_depth(value, 0)
             return value
         if kind is bytes or kind is bytearray:
