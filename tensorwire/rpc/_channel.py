@@ -146,8 +146,6 @@ class Channel:
         return frames_nbytes(frames)
 
     def _post(self, message: Message) -> list[Any]:
-        if self.error is not None:
-            raise _unavailable(self.error)
         return self._queue(protocol.encode(message))
 
     def _queue(self, frames: list[Any]) -> list[Any]:
@@ -292,7 +290,7 @@ class Channel:
         self._last_seen = self._loop.time()
         try:
             message = protocol.parse(frames)
-            frame = frames[0]
+            frame = frames[0]  # frames_nbytes' first case, inlined: every small message
             self._on_message(message, len(frame) if len(frames) == 1 and type(frame) is bytearray
                              else frames_nbytes(frames))
         except TensorwireError as exc:
