@@ -474,6 +474,11 @@ def _unpack_arguments(
         value = decoder.decode(frames[0], frames[1:])
     except serde.DecodeError as exc:
         raise InvalidArgument(f"the arguments of {handler.name} do not decode: {exc}") from None
+    if type(value) is list and len(value) == 2:
+        # What our client sends, checked without isinstance calls.
+        args, kwargs = value
+        if type(args) is list and type(kwargs) is dict:
+            return args, kwargs
     # isinstance with a tuple of types: a union (list | tuple) is built anew
     # on every call.
     if (
