@@ -317,6 +317,33 @@ async def test_garbage_after_handshake_drops_only_that_connection() -> None:
             assert await good.call("Store.echo", "fine") == "fine"
 
 
+async def test_a_request_value_must_be_args_and_kwargs() -> None:
+    encoder = tw.serde.Encoder()
+
+    async def call(conn: Any, call_id: int, value: Any) -> p.Message:
+        header, buffers = encoder.encode(value)
+        await conn.send(p.encode(p.Request(call_id, "Store.echo", 5.0, -1, [header, *buffers])))
+        return p.parse(await conn.recv())
+
+    async with serving("tcp://127.0.0.1:0") as server:
+        conn = await transport_connect(server.addresses[0])
+        await conn.send(p.encode(p.ClientHandshake(secret=None).start()))
+        p.parse(await conn.recv())
+        wrong = [5, [["x"]], [["x"], {}, 1], ["x", {}], [["x"], ["k"]], [("x",), ("k",)]]
+        for call_id, value in enumerate(wrong, 1):
+            reply = await call(conn, call_id, value)
+            assert isinstance(reply, p.Error), value
+            assert reply.status == tw.errors.Status.INVALID_ARGUMENT
+            assert "must be [args, kwargs]" in reply.message
+        # Tuples in either place are taken as well as lists.
+        decoder = tw.serde.Decoder()
+        for call_id, value in enumerate([(["x"], {}), [("x",), {}], [[], {"value": "x"}]], 10):
+            reply = await call(conn, call_id, value)
+            assert isinstance(reply, p.Response), value
+            assert decoder.decode(reply.value[0], reply.value[1:]) == "x"
+        await conn.close()
+
+
 async def test_per_connection_limit_queues_on_the_client(url: str) -> None:
     config = ServerConfig(max_concurrent_per_connection=2)
     async with serving(url, config=config) as server, tw.connect(server.addresses[0]) as client:
