@@ -811,6 +811,7 @@ def run_variant(variant: Variant, plan: Plan, timeout: float, *,
             if address is not None:
                 peer, theirs = ctx.Pipe()
                 start(turn_taker_main, theirs, grpc_address, cli_cpu)
+                theirs.close()  # the child has its own: its recv() ends with the client
         else:
             address = serve(variant, srv_prof)
         if address is None:
@@ -818,6 +819,8 @@ def run_variant(variant: Variant, plan: Plan, timeout: float, *,
             return "the server did not start within 60 s" + (
                 f" (exit code {codes[0]})" if codes else "")
         start(client_main, done, address, variant, plan, cli_prof, only_cps64, cli_cpu, peer)
+        if peer is not None:
+            peer.close()
         try:
             _status, value = done.get(timeout=timeout)
         except queue.Empty:
