@@ -596,13 +596,8 @@ async def _measure(caller: _Caller, variant: Variant, plan: Plan,
     for size, reps in zip(plan.sizes, plan.reps, strict=True):
         async def echo(size: int = size, reps: int = reps) -> None:
             arr = np.arange(size // 4, dtype=np.float32)
-            _check_echo(arr, await caller.tensor(arr))  # warm-up
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                back = await caller.tensor(arr)
-                times.append(time.perf_counter() - start)
-                del back
+            await caller.time_echo(arr, check=True)  # warm-up
+            times = [await caller.time_echo(arr) for _ in range(reps)]
             bandwidth[size] = 2 * size / statistics.median(times)
 
         await section(f"{size // MiB} MiB echo", echo)

@@ -140,9 +140,6 @@ class Channel:
         """``post`` for a message already encoded (``protocol.encode_request``
         and ``encode_response``: the hot paths make no message object)."""
         self._queue(frames)
-        frame = frames[0]
-        if len(frames) == 1 and type(frame) is bytes:  # frames_nbytes' first case
-            return len(frame)
         return frames_nbytes(frames)
 
     def _post(self, message: Message) -> list[Any]:
@@ -290,9 +287,7 @@ class Channel:
         self._last_seen = self._loop.time()
         try:
             message = protocol.parse(frames)
-            frame = frames[0]  # frames_nbytes' first case, inlined: every small message
-            self._on_message(message, len(frame) if len(frames) == 1 and type(frame) is bytearray
-                             else frames_nbytes(frames))
+            self._on_message(message, frames_nbytes(frames))
         except TensorwireError as exc:
             logger.warning("closing connection to %s: %s", self.conn.peer_address, exc)
             self.close_with(exc)
