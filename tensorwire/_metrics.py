@@ -28,17 +28,21 @@ _EDGES = [_LOW * 10 ** (i / _PER_DECADE) for i in range(1, _BUCKETS)]
 class MethodMetrics:
     """Counters of one method."""
 
-    calls: int = 0
     errors: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     buckets: list[int] = dataclasses.field(default_factory=lambda: [0] * _BUCKETS)
 
-    def observe(self, seconds: float, *, error: bool) -> None:
-        self.calls += 1
+    @property
+    def calls(self) -> int:
+        """Calls observed: every one is in exactly one latency bucket (a
+        count of its own would cost every call an increment)."""
+        return sum(self.buckets)
+
+    def observe(self, seconds: float, error: bool) -> None:
+        self.buckets[bisect.bisect_right(_EDGES, seconds)] += 1
         if error:
             self.errors += 1
-        self.buckets[bisect.bisect_right(_EDGES, seconds)] += 1
 
     def percentile(self, q: float) -> float | None:
         """Latency at quantile ``q`` (0..1), in seconds; None before any call."""

@@ -368,7 +368,7 @@ class Group:
         metrics = self._metrics[name]
         metrics.bytes_in += op.bytes_in
         metrics.bytes_out += op.bytes_out
-        metrics.observe(seconds, error=error is not None)
+        metrics.observe(seconds, error is not None)
         timeline = self.config.timeline
         if timeline is not None:
             args: dict[str, Any] = {"seq": op.seq, "call": op.sig.decode(), "group": self.id,

@@ -969,7 +969,7 @@ class PSClient:
             error = False
         finally:
             self._running -= 1
-            self._metrics[name].observe(time.perf_counter() - started, error=error)
+            self._metrics[name].observe(time.perf_counter() - started, error)
             if timeline is not None:
                 timeline.add_since(name, "ps", started, worker=self.worker, clock=clock,
                                    error=error)

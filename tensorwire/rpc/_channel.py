@@ -138,14 +138,8 @@ class Channel:
 
     def post_frames(self, frames: list[Any]) -> int:
         """``post`` for a message already encoded (``protocol.encode_request``
-        and ``encode_response``: the hot paths make no message object)."""
-        self._queue(frames)
-        return frames_nbytes(frames)
-
-    def _post(self, message: Message) -> list[Any]:
-        return self._queue(protocol.encode(message))
-
-    def _queue(self, frames: list[Any]) -> list[Any]:
+        and ``encode_response``: the hot paths make no message object). Its
+        first frame is bytes, as every encoder of ``protocol`` makes it."""
         if self.error is not None:
             raise _unavailable(self.error)
         outbox = self._outbox
@@ -157,6 +151,13 @@ class Channel:
                     self._flush()
             elif len(outbox) >= BATCH:
                 self._flush()
+        if len(frames) == 1:  # frames_nbytes() of a small message, inlined
+            return len(frames[0])
+        return frames_nbytes(frames)
+
+    def _post(self, message: Message) -> list[Any]:
+        frames = protocol.encode(message)
+        self.post_frames(frames)
         return frames
 
     async def send(self, message: Message) -> int:
@@ -287,7 +288,11 @@ class Channel:
         self._last_seen = self._loop.time()
         try:
             message = protocol.parse(frames)
-            self._on_message(message, frames_nbytes(frames))
+            frame = frames[0]
+            # frames_nbytes() of a small message (as the transports deliver
+            # it), inlined.
+            self._on_message(message, len(frame) if type(frame) is bytearray
+                             and len(frames) == 1 else frames_nbytes(frames))
         except TensorwireError as exc:
             logger.warning("closing connection to %s: %s", self.conn.peer_address, exc)
             self.close_with(exc)

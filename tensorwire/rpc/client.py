@@ -12,7 +12,8 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Generator
-from typing import Any, TypeVar, cast
+from heapq import heappush
+from typing import Any, TypeAlias, TypeVar, cast, final
 
 from .. import serde
 from .._metrics import MethodMetrics, Metrics
@@ -61,33 +62,38 @@ def _fields(config: ClientConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
 
+@final
 class _Pending:
-    """A call in flight: its future, or for streams a queue of messages."""
+    """A streaming call in flight, or a unary call with a streamed argument:
+    its future, its queue of messages (streams), its credit.
+
+    A plain unary call waits on a bare future instead (see ``_Session.pending``).
+    Either future's result is ``(message, nbytes)``.
+    """
 
     __slots__ = ("credit", "credit_event", "future", "items", "metrics", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, streaming: bool,
                  metrics: MethodMetrics) -> None:
-        self.future: asyncio.Future[protocol.Message] = loop.create_future()
+        self.future: asyncio.Future[tuple[protocol.Message, int]] = loop.create_future()
         self.metrics = metrics
         self.items: deque[protocol.Message] | None = deque() if streaming else None
         self.waiter: asyncio.Future[None] | None = None
         self.credit = 0
         self.credit_event: asyncio.Event | None = None
 
-    def deliver(self, message: protocol.Message) -> None:
+    def deliver(self, message: protocol.Message, nbytes: int) -> None:
         if self.items is None or isinstance(message, protocol.Response):
             if not self.future.done():
-                self.future.set_result(message)
+                self.future.set_result((message, nbytes))
             return
+        self.metrics.bytes_in += nbytes
         self.items.append(message)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
     def fail(self, error: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
-            self.future.exception()  # retrieved: a stream may never look at it
+        _fail(self.future, error)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(error)
 
@@ -96,10 +102,16 @@ class _Pending:
         if self.credit_event is not None:
             self.credit_event.set()
 
-    def expire(self) -> None:
-        """The deadline passed: end the wait."""
-        if not self.future.done():
-            self.future.set_exception(TimeoutError())
+
+#: What ``_Session.pending`` holds for a call: a bare future for a plain
+#: unary call (the hot path: no object of ours per call), else a _Pending.
+_InFlight: TypeAlias = "asyncio.Future[tuple[protocol.Message, int]] | _Pending"
+
+
+def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+        future.exception()  # retrieved: a stream may never look at it
 
 
 class _Session:
@@ -107,7 +119,7 @@ class _Session:
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self.pending: dict[int, _Pending] = {}
+        self.pending: dict[int, _InFlight] = {}
         self.ids = itertools.count(1)
         self.channel: Channel | None = None
         self.loop = asyncio.get_running_loop()
@@ -115,38 +127,40 @@ class _Session:
         self.error: TensorwireError | None = None
         # Deadlines of unary calls: one loop timer for the earliest instead
         # of one per call (a timer costs several times a heap push). Entries
-        # of calls that ended stay until the heap is compacted.
-        self._deadlines: list[tuple[float, int]] = []
+        # of calls that ended stay until the heap grows past ``compact_at``.
+        # Client.call pushes here itself (a method call less per call).
+        self.deadlines: list[tuple[float, int]] = []
+        self.compact_at = 64
+        self.timer_at = math.inf
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
 
-    def watch(self, call_id: int, deadline: float) -> None:
-        """Expire the unary call ``call_id`` at ``deadline`` if it is still pending."""
-        heap = self._deadlines
-        heapq.heappush(heap, (deadline, call_id))
-        if len(heap) > 2 * len(self.pending) + 64:
-            heap[:] = [entry for entry in heap if entry[1] in self.pending]
-            heapq.heapify(heap)
-        if deadline < self._timer_at:
-            self._arm(deadline)
+    def compact(self) -> None:
+        """Drop the deadlines of calls that ended."""
+        heap = self.deadlines
+        pending = self.pending
+        heap[:] = [entry for entry in heap if entry[1] in pending]
+        heapq.heapify(heap)
+        self.compact_at = 2 * len(heap) + 64
 
-    def _arm(self, when: float) -> None:
+    def arm(self, when: float) -> None:
+        """Wake up at ``when`` to expire the calls due then."""
         if self._timer is not None:
             self._timer.cancel()
-        self._timer_at = when
+        self.timer_at = when
         self._timer = self.loop.call_at(when, self._expire_due)
 
     def _expire_due(self) -> None:
-        self._timer, self._timer_at = None, math.inf
-        heap = self._deadlines
+        self._timer, self.timer_at = None, math.inf
+        heap = self.deadlines
         now = self.loop.time()
         while heap and heap[0][0] <= now:
             _, call_id = heapq.heappop(heap)
             pending = self.pending.get(call_id)
             if pending is not None:
-                pending.expire()
+                # The deadline passed: end the wait.
+                _fail(pending.future if type(pending) is _Pending else pending, TimeoutError())
         if heap:
-            self._arm(heap[0][0])
+            self.arm(heap[0][0])
 
     async def open(self) -> None:
         config = self.client.config
@@ -182,14 +196,13 @@ class _Session:
 
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
         if type(message) is protocol.Response:
-            # The hot path: a unary call's answer (deliver(), inlined).
+            # The hot path: a unary call's answer.
             pending = self.pending.get(message.call_id)
             if pending is not None:
-                pending.metrics.bytes_in += nbytes
-                if pending.items is not None:
-                    pending.deliver(message)
-                elif not pending.future.done():
-                    pending.future.set_result(message)
+                if type(pending) is _Pending:
+                    pending.deliver(message, nbytes)
+                elif not pending.done():
+                    pending.set_result((message, nbytes))
             return
         if isinstance(message, protocol.Pong):
             return
@@ -201,11 +214,14 @@ class _Session:
         pending = self.pending.get(message.call_id)
         if pending is None:
             return  # the call ended already (cancelled, timed out)
+        if type(pending) is not _Pending:
+            if not isinstance(message, protocol.Credit) and not pending.done():
+                pending.set_result((message, nbytes))
+            return
         if isinstance(message, protocol.Credit):
             pending.grant(message.count)
             return
-        pending.metrics.bytes_in += nbytes
-        pending.deliver(message)
+        pending.deliver(message, nbytes)
 
     def _on_refused(self, message: protocol.Message | None,
                     error: LimitExceededError) -> None:
@@ -218,6 +234,9 @@ class _Session:
             return
         exhausted = ResourceExhausted(
             f"a reply from {self.client.address} is beyond this client's limits: {error}")
+        if type(pending) is not _Pending:
+            _fail(pending, exhausted)
+            return
         if pending.items is None:
             pending.fail(exhausted)
             return
@@ -226,7 +245,7 @@ class _Session:
         if self.channel is not None:
             self.channel.send_soon(protocol.Cancel(message.call_id))
         pending.deliver(protocol.Error(message.call_id, int(exhausted.status),
-                                       type(exhausted).__name__, exhausted.message, ""))
+                                       type(exhausted).__name__, exhausted.message, ""), 0)
 
     def _on_close(self, error: TensorwireError) -> None:
         self.error = error
@@ -240,11 +259,14 @@ class _Session:
         else:
             lost = Unavailable(f"connection to {self.client.address} lost: {error}")
         for pending in list(self.pending.values()):
-            pending.fail(lost)
+            if type(pending) is _Pending:
+                pending.fail(lost)
+            else:
+                _fail(pending, lost)
         if self._timer is not None:
             self._timer.cancel()
-            self._timer, self._timer_at = None, math.inf
-        self._deadlines.clear()
+            self._timer, self.timer_at = None, math.inf
+        self.deadlines.clear()
 
     async def close(self) -> None:
         if self.channel is not None:
@@ -389,7 +411,10 @@ class Client:
         # heap push costs a fraction of the context manager. One coroutine
         # from here to the answer, attempts included: each level of awaiting
         # costs on every call.
-        deadline = self._deadline(timeout)
+        session = self._session
+        # _deadline(), inlined.
+        loop = session.loop if session is not None else asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.timeout if timeout is None else timeout)
         for arg in args:
             if type(arg) not in _PLAIN:
                 args, source, stream_arg = _split_stream(args)
@@ -415,18 +440,36 @@ class Client:
                 error = True
                 try:
                     slots = session.slots
-                    if not slots.try_acquire():
+                    if slots.free > 0 and not slots.waiters:  # try_acquire(), inlined
+                        slots.free -= 1
+                    else:
                         # Only a client with more calls than the server allows
                         # in flight waits here, and the deadline bounds the wait.
                         async with asyncio.timeout_at(deadline):
                             await slots.acquire()
                     try:
+                        if session.error is not None:
+                            raise Unavailable(
+                                f"connection to {self.address} lost: {session.error}")
                         loop = session.loop
-                        call_id, pending = self._register(session, metrics, streaming=False)
+                        call_id = next(session.ids)
+                        pending: _InFlight
+                        if source is None:
+                            future = pending = loop.create_future()
+                        else:
+                            pending = _Pending(loop, False, metrics)
+                            future = pending.future
+                        session.pending[call_id] = pending
                         # The server enforces the same deadline; waiting a
                         # moment longer lets its DEADLINE_EXCEEDED, which says
                         # where the time went, arrive first.
-                        session.watch(call_id, deadline + _DEADLINE_GRACE)
+                        expires = deadline + _DEADLINE_GRACE
+                        heap = session.deadlines
+                        heappush(heap, (expires, call_id))
+                        if len(heap) > session.compact_at:
+                            session.compact()
+                        if expires < session.timer_at:
+                            session.arm(expires)
                         pump: asyncio.Task[None] | None = None
                         try:
                             remaining = deadline - loop.time()
@@ -435,10 +478,11 @@ class Client:
                             metrics.bytes_out += channel.post_frames(protocol.encode_request(
                                 call_id, method, remaining, stream_arg, payload))
                             if source is not None:
+                                assert type(pending) is _Pending
                                 pending.credit_event = asyncio.Event()
                                 pump = loop.create_task(
                                     self._pump(session, call_id, pending, source))
-                            message = await pending.future
+                            message, nbytes = await future
                         except BaseException:
                             self._cancel_remote(session, call_id)
                             raise
@@ -447,7 +491,11 @@ class Client:
                             if pump is not None:
                                 await _stop(pump)
                     finally:
-                        slots.release()
+                        if slots.waiters:  # release(), inlined
+                            slots.release()
+                        else:
+                            slots.free += 1
+                    metrics.bytes_in += nbytes
                     if type(message) is not protocol.Response:
                         raise _unexpected(message, method)
                     frames = message.value
@@ -460,7 +508,7 @@ class Client:
                     raise DeadlineExceeded(
                         f"{method} did not finish within its deadline") from None
                 finally:
-                    metrics.observe(time.perf_counter() - started, error=error)
+                    metrics.observe(time.perf_counter() - started, error)
                     if self.config.timeline is not None:
                         self.config.timeline.add_since(method, "rpc.client", started,
                                                        error=error)
@@ -552,7 +600,7 @@ class Client:
         except TimeoutError:
             raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
         finally:
-            metrics.observe(time.perf_counter() - started, error=error)
+            metrics.observe(time.perf_counter() - started, error)
             if self.config.timeline is not None:
                 self.config.timeline.add_since(method, "rpc.client", started, error=error)
 

@@ -281,6 +281,9 @@ class _Session:
         self._limit = server.config.max_concurrent_per_connection
         self._timeline = server.config.timeline
         self._decoder, self._encoder = server._decoder, server._encoder
+        slots = server._slots
+        assert slots is not None  # made by start(), before any session
+        self._slots = slots
 
     async def run(self) -> None:
         self.channel.start(refused=self._refused_early)
@@ -307,7 +310,7 @@ class _Session:
         self._done.set()
 
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
-        if isinstance(message, protocol.Request):
+        if type(message) is protocol.Request:
             self._start(message, nbytes)
             return
         call = self.calls.get(message.call_id)
@@ -337,7 +340,7 @@ class _Session:
         if isinstance(message, protocol.Request):
             handler = self._handlers.get(message.method)
             if handler is not None:
-                handler.metrics.observe(0.0, error=True)
+                handler.metrics.observe(0.0, True)
             exhausted = ResourceExhausted(
                 f"the request to {message.method} is beyond this server's limits: {error}")
             self.channel.send_soon(_error_message(message.call_id, exhausted))
@@ -365,10 +368,10 @@ class _Session:
             self.channel.send_soon(_error_message(call_id, error))
             return
         handler = self._handlers.get(request.method)
-        slots = self.server._slots
-        assert slots is not None
+        slots = self._slots
         if (handler is not None and handler.inline and request.stream_arg < 0
-                and slots.try_acquire()):
+                and slots.free > 0 and not slots.waiters):  # slots.try_acquire(), inlined
+            slots.free -= 1
             self._run_inline(handler, request, nbytes, slots)
             return
         call = _Call(self, request, nbytes)
@@ -404,7 +407,10 @@ class _Session:
                                                  _encode(result, handler.name, self._encoder))
                 failed = False
             finally:
-                slots.release()
+                if slots.waiters:  # release(), inlined
+                    slots.release()
+                else:
+                    slots.free += 1
         except asyncio.CancelledError:
             reply = None  # a handler that cancels itself gets no reply, as in a task
         except Exception as exc:
@@ -412,7 +418,7 @@ class _Session:
                 logger.debug("%s raised", request.method, exc_info=exc)
             reply = protocol.encode(_error_message(request.call_id, exc))
         finally:
-            metrics.observe(time.perf_counter() - started, error=failed)
+            metrics.observe(time.perf_counter() - started, failed)
             if self._timeline is not None:
                 self._timeline.add_since(request.method, "rpc.server", started, error=failed)
         if reply is not None:
@@ -641,7 +647,7 @@ class _Call:
             reply = _error_message(self.call_id, exc)
         finally:
             if self.metrics is not None:
-                self.metrics.observe(time.perf_counter() - started, error=failed)
+                self.metrics.observe(time.perf_counter() - started, failed)
             timeline = self.session._timeline
             if timeline is not None:
                 timeline.add_since(self.request.method, "rpc.server", started, error=failed)

@@ -147,6 +147,8 @@ def argument_checker(signature: inspect.Signature) -> ArgumentChecker:
 
     def check(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         given = len(args)
+        if given == count and not kwargs:
+            return  # every parameter given by position: the usual call
         if given > count or (given + len(kwargs) < count and not all(
             not required[i] or names[i] in kwargs for i in range(given, count)
         )):
