@@ -11,8 +11,9 @@ __all__ = ("Proxy",)
 
 
 class _Caller(Protocol):
-    def call(self, method: str, /, *args: Any, timeout: float | None = None,
-             idempotent: bool = False, **kwargs: Any) -> Any: ...
+    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              timeout: float | None, idempotent: bool) -> Any:
+        """``call`` with every parameter by position."""
 
     def stream(self, method: str, /, *args: Any, timeout: float | None = None,
                **kwargs: Any) -> Any: ...
@@ -41,10 +42,10 @@ class Proxy:
             def remote(*args: Any, **kwargs: Any) -> Any:
                 return stream(full, *args, timeout=timeout, **kwargs)
         else:
-            call = client.call
+            call = client._call  # positional: no keyword dict built per call
 
             def remote(*args: Any, **kwargs: Any) -> Any:
-                return call(full, *args, timeout=timeout, idempotent=idempotent, **kwargs)
+                return call(full, args, kwargs, timeout, idempotent)
 
         remote.__name__ = attr
         remote.__doc__ = info.doc

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Generator
+from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Generator
 from heapq import heappush
 from typing import Any, TypeAlias, TypeVar, cast, final
 
@@ -388,11 +388,11 @@ class Client:
 
     # -- calls ---------------------------------------------------------------
 
-    async def call(
+    def call(
         self, method: str, /, *args: Any, timeout: float | None = None,
         idempotent: bool = False, **kwargs: Any,
-    ) -> Any:
-        """Call ``"Service.method"`` and return its result.
+    ) -> Coroutine[Any, Any, Any]:
+        """Call ``"Service.method"``; awaiting the call returns its result.
 
         One argument may be an async iterable: its items stream to the
         server, which receives an async iterator in that place.
@@ -403,6 +403,12 @@ class Client:
                 ``Internal`` with the remote traceback, ...).
             EncodeError: an argument cannot be encoded.
         """
+        return self._call(method, args, kwargs, timeout, idempotent)
+
+    async def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    timeout: float | None, idempotent: bool) -> Any:
+        """``call``, with every parameter by position: typed proxies call
+        this directly, without packing keywords into a dict on every call."""
         # The request is queued without waiting: the answer cannot come
         # before it has gone. A call that ends early (deadline, cancel) may
         # leave its request still going out, so its arguments must stay
@@ -423,7 +429,7 @@ class Client:
             source, stream_arg = None, -1
         # A list, not the tuple: msgpack packs a list in C, a tuple through
         # a Python callback (the server takes either).
-        header, buffers = self._encoder.encode([list(args), kwargs])
+        header, buffers = self._encoder.encode_nested([list(args), kwargs])
         payload = [header, *buffers]
         metrics = self._metrics[method]
         # Once, after losing the connection; never with a streamed argument.
@@ -447,10 +453,11 @@ class Client:
                         # in flight waits here, and the deadline bounds the wait.
                         async with asyncio.timeout_at(deadline):
                             await slots.acquire()
-                    try:
                         if session.error is not None:
+                            slots.release()
                             raise Unavailable(
                                 f"connection to {self.address} lost: {session.error}")
+                    try:
                         loop = session.loop
                         call_id = next(session.ids)
                         pending: _InFlight

@@ -329,7 +329,18 @@ def parse(frames: Sequence[Any]) -> Message:
         ProtocolError: no frames, a malformed header, an unknown kind, wrong
             field types, or a value where none belongs.
     """
-    if not frames:
+    if len(frames) == 1:
+        raw = frames[0]
+        if type(raw) is bytearray and _REPLY_SIZE < len(raw) <= _SLICE_MAX:
+            # The hot case: a small message as the transports deliver it.
+            prelude, call_id = _REPLY_WORDS.unpack_from(raw)
+            if prelude == _RESPONSE and call_id < 1 << 63:
+                # A well-formed RESPONSE header (reserved fields zero): the
+                # checks below in one comparison.
+                return Response(call_id, [raw[_REPLY_SIZE:]])
+            if prelude & 0xFF == _REQUEST_KIND:
+                return _parse_request(raw, frames)
+    elif not frames:
         raise ProtocolError("empty RPC message")
     raw = frames[0]
     view: Any

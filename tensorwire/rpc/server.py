@@ -394,7 +394,8 @@ class _Session:
                     handler.check(args, kwargs)
                 except TypeError as exc:
                     raise _invalid_arguments(handler, exc) from None
-                coro = handler.func(*args, **kwargs)
+                # Without an empty keyword dict copied into the call.
+                coro = handler.func(*args, **kwargs) if kwargs else handler.func(*args)
                 try:
                     # A context of its own, as a task would have.
                     contextvars.copy_context().run(coro.send, None)

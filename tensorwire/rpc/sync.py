@@ -49,15 +49,18 @@ class SyncClient:
     def call(self, method: str, /, *args: Any, timeout: float | None = None,
              idempotent: bool = False, **kwargs: Any) -> Any:
         """Call and wait for the result; raises what ``Client.call`` raises."""
-        return self._wait(self.submit(method, *args, timeout=timeout, idempotent=idempotent,
-                                      **kwargs))
+        return self._call(method, args, kwargs, timeout, idempotent)
+
+    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              timeout: float | None, idempotent: bool) -> Any:
+        """``call`` with every parameter by position (what proxies call)."""
+        return self._wait(self._run(self._client._call(method, args, kwargs, timeout,
+                                                       idempotent)))
 
     def submit(self, method: str, /, *args: Any, timeout: float | None = None,
                idempotent: bool = False, **kwargs: Any) -> concurrent.futures.Future[Any]:
         """Start a call; its future's ``cancel()`` cancels it on the server too."""
-        return self._run(
-            self._client.call(method, *args, timeout=timeout, idempotent=idempotent, **kwargs)
-        )
+        return self._run(self._client._call(method, args, kwargs, timeout, idempotent))
 
     def stream(self, method: str, /, *args: Any, timeout: float | None = None,
                **kwargs: Any) -> Iterator[Any]:

@@ -231,6 +231,17 @@ class Encoder:
             fast = self._encode_fast(obj)
             if fast is not None:
                 return fast
+        return self._encode_walk(obj, t)
+
+    def encode_nested(self, obj: list[Any]) -> tuple[bytes, list[Any]]:
+        """``encode(obj)`` for a list of a few containers (lists, tuples,
+        dicts), as the RPC's ``[args, kwargs]``: the same result and errors,
+        without the checks ``encode`` makes first to pick its path.
+        """
+        fast = self._encode_fast(obj)
+        return fast if fast is not None else self._encode_walk(obj, list)
+
+    def _encode_walk(self, obj: Any, t: type) -> tuple[bytes, list[Any]]:
         bufs: list[Any] = []
         try:
             if t in _NATIVE:
