@@ -318,3 +318,41 @@ def test_module_level_functions_are_per_thread() -> None:
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [[7], {}],
+        [["key", 1.5, None, True], {"flag": False}],
+        [[np.arange(1000.0)], {"b": b"x" * 5000}],  # buffers out of band
+        [[((((((1,),),),),),)], {}],  # tuples deeper than the fast path takes
+        [[2**70], {"c": (1 + 1j,)}],
+    ],
+    ids=repr,
+)
+def test_encode_nested_makes_what_encode_makes(value: Any) -> None:
+    enc = serde.Encoder()
+    header, buffers = enc.encode_nested(value)
+    expected_header, expected_buffers = enc.encode(value)
+    assert header == expected_header
+    assert [bytes(memoryview(b)) for b in buffers] == [
+        bytes(memoryview(b)) for b in expected_buffers
+    ]
+    out = serde.decode(header, buffers)
+    assert repr(out) == repr(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ([[object()], {}], "builtins.object"),
+        ([["x" * 200], {}], "max_header_bytes=100"),
+    ],
+)
+def test_encode_nested_raises_what_encode_raises(value: Any, match: str) -> None:
+    enc = serde.Encoder(limits=serde.Limits(max_header_bytes=100))
+    with pytest.raises(EncodeError, match=match):
+        enc.encode(value)
+    with pytest.raises(EncodeError, match=match):
+        enc.encode_nested(value)
