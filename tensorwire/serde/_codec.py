@@ -76,6 +76,10 @@ DEFAULT_INLINE_THRESHOLD: Final = 1024
 # (Ints beyond 64 bits reach Encoder._default from inside the Packer.)
 _NATIVE: Final = frozenset({str, int, float, bool, type(None)})
 # Dict keys kept as they are (keys are always inline, whatever their size).
+#: Values packed with no walk (``Encoder.encode``), and the largest packing
+#: of one (a 64-bit int or a float: marker byte and eight bytes).
+_SCALARS: Final = frozenset({int, float, bool, type(None)})
+_SCALAR_MAX_BYTES: Final = 9
 _NATIVE_KEYS: Final = frozenset({str, int, float, bool, type(None), bytes})
 _CONTAINERS: Final = (list, tuple, dict)
 _U8: Final = np.dtype(np.uint8)
@@ -150,6 +154,7 @@ class Encoder:
         "_max_header",
         "_packer",
         "_registry",
+        "_scalars",
         "_threshold",
     )
 
@@ -198,6 +203,9 @@ class Encoder:
         self._fast_level = 0
         self._fast_bufs: list[Any] = []
         self._max_header = self._limits.max_header_bytes
+        # Types encode() packs at once, when any header of theirs fits.
+        self._scalars = (_SCALARS if self._max_header >= PREFIX_SIZE + _SCALAR_MAX_BYTES
+                         else frozenset())
         self._max_buffers = self._limits.max_buffers
 
     @property
@@ -221,6 +229,13 @@ class Encoder:
                 the limits; a str that is not valid Unicode.
         """
         t = type(obj)
+        if t in self._scalars:
+            # Nothing to walk or check: a header of a few bytes (an RPC
+            # handler's count, flag or None).
+            try:
+                return _NO_BUFFERS_PREFIX + self._packer.pack(obj), []
+            except OverflowError:
+                pass  # an int beyond 64 bits: the walk says so
         if (
             (t is dict or t is list or t is tuple)
             and len(obj) <= _FAST_MAX_ITEMS

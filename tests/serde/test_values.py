@@ -356,3 +356,21 @@ def test_encode_nested_raises_what_encode_raises(value: Any, match: str) -> None
         enc.encode(value)
     with pytest.raises(EncodeError, match=match):
         enc.encode_nested(value)
+
+
+@pytest.mark.parametrize(
+    "value", [0, 7, -1, 2**63, 2**64 - 1, -(2**63), 2**64, -(2**63) - 1, 2**70, 1.5,
+              float("inf"), True, False, None],
+)
+def test_scalars_roundtrip_with_their_type(value: Any) -> None:
+    header, buffers = serde.encode(value)
+    assert buffers == []
+    out = serde.decode(header, buffers)
+    assert type(out) is type(value) and out == value
+
+
+def test_scalar_beyond_a_tiny_header_limit_is_refused() -> None:
+    enc = serde.Encoder(limits=serde.Limits(max_header_bytes=12))
+    assert serde.decode(*enc.encode(1)) == 1  # a one-byte packing fits
+    with pytest.raises(EncodeError, match="max_header_bytes=12"):
+        enc.encode(1.5)
