@@ -506,7 +506,9 @@ class Client:
                     if type(message) is not protocol.Response:
                         raise _unexpected(message, method)
                     frames = message.value
-                    result = self._decoder.decode(frames[0], frames[1:])
+                    # Without an empty list of buffers: most answers are one frame.
+                    result = (self._decoder.decode(frames[0]) if len(frames) == 1
+                              else self._decoder.decode(frames[0], frames[1:]))
                     error = False
                     return result
                 except DeadlineExceeded:

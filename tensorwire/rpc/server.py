@@ -404,8 +404,11 @@ class _Session:
                 else:
                     coro.close()
                     raise RuntimeError(f"{handler.name} suspended, though it has no await")
-                reply = protocol.encode_response(request.call_id,
-                                                 _encode(result, handler.name, self._encoder))
+                try:  # _encode(), inlined
+                    header, buffers = self._encoder.encode(result)
+                except serde.EncodeError as exc:
+                    raise _unencodable(handler.name, exc) from None
+                reply = protocol.encode_response(request.call_id, [header, *buffers])
                 failed = False
             finally:
                 if slots.waiters:  # release(), inlined
@@ -478,7 +481,9 @@ def _unpack_arguments(
 ) -> tuple[list[Any], dict[str, Any]]:
     frames = request.value
     try:
-        value = decoder.decode(frames[0], frames[1:])
+        # Without an empty list of buffers: most requests are one frame.
+        value = (decoder.decode(frames[0]) if len(frames) == 1
+                 else decoder.decode(frames[0], frames[1:]))
     except serde.DecodeError as exc:
         raise InvalidArgument(f"the arguments of {handler.name} do not decode: {exc}") from None
     if type(value) is list and len(value) == 2:
@@ -696,6 +701,10 @@ def _encode(value: Any, method_name: str, encoder: serde.Encoder) -> list[Any]:
     try:
         header, buffers = encoder.encode(value)
     except serde.EncodeError as exc:
-        raise Internal(f"the result of {method_name} cannot be encoded: {exc}") from None
+        raise _unencodable(method_name, exc) from None
     return [header, *buffers]
+
+
+def _unencodable(method_name: str, error: serde.EncodeError) -> Internal:
+    return Internal(f"the result of {method_name} cannot be encoded: {error}")
 

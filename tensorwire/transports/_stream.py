@@ -29,8 +29,8 @@ from ._base import (
 )
 from ._wire import (
     GOODBYE,
-    KIND_DATA,
-    ONE_FRAME,
+    ONE_DATA_PRELUDE,
+    ONE_FRAME_WORDS,
     FrameReader,
     Refused,
     pack_header,
@@ -94,16 +94,17 @@ _HOST_TYPES = frozenset({bytes, bytearray, memoryview})
 def _outgoing_many(messages: Sequence[Sequence[Any]]) -> list[Any]:
     buffers: list[Any] = []
     append = buffers.append
-    pack = ONE_FRAME.pack
+    pack = ONE_FRAME_WORDS.pack
     for frames in messages:
-        if len(frames) == 1 and type(frames[0]) is bytes:
-            # outgoing()'s first case (pack_one_frame), inlined: a batch of
-            # small RPC messages.
+        if len(frames) == 1:
             frame = frames[0]
-            append(pack(KIND_DATA, 0, 0, 1, len(frame), 0))
-            append(frame)
-        else:
-            buffers.extend(outgoing(frames))
+            if type(frame) is bytes:
+                # outgoing()'s first case (pack_one_frame), inlined: a batch
+                # of small RPC messages.
+                append(pack(ONE_DATA_PRELUDE, len(frame), 0))
+                append(frame)
+                continue
+        buffers.extend(outgoing(frames))
     return buffers
 
 

@@ -50,14 +50,16 @@ _PRELUDE = struct.Struct("<BBHI")
 PRELUDE_SIZE = _PRELUDE.size
 GOODBYE = _PRELUDE.pack(KIND_GOODBYE, 0, 0, 0)
 #: A one-frame host message's prelude and frame table in one: kind, the
-#: reserved fields, frame count, frame size, device code with its padding
-#: (``pack_one_frame``; the stream driver packs a batch with it directly).
+#: reserved fields, frame count, frame size, device code with its padding.
 ONE_FRAME = struct.Struct("<BBHIQQ")
 ONE_FRAME_SIZE = ONE_FRAME.size
-#: The same read as three words: a one-frame data message's prelude is the
-#: first word's one value, so a single comparison checks all four fields.
-_ONE_FRAME_WORDS = struct.Struct("<QQQ")
-_ONE_DATA_PRELUDE = KIND_DATA | 1 << 32
+#: The same as three words: a one-frame data message's prelude is the first
+#: word's one value, so a single comparison checks all four fields, and
+#: packing takes three values (``pack_one_frame``; the stream driver packs a
+#: batch with it directly).
+ONE_FRAME_WORDS = struct.Struct("<QQQ")
+ONE_DATA_PRELUDE = KIND_DATA | 1 << 32
+assert ONE_FRAME_WORDS.size == ONE_FRAME_SIZE
 
 DEVICE_CODES = {"cpu": 0, "cuda": 1}
 _DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
@@ -124,7 +126,7 @@ def pack_header(sizes: Sequence[int], devices: Sequence[str] | None = None) -> b
 
 def pack_one_frame(nbytes: int) -> bytes:
     """``pack_header([nbytes])``, the common case, at a fraction of the cost."""
-    return ONE_FRAME.pack(KIND_DATA, 0, 0, 1, nbytes, 0)
+    return ONE_FRAME_WORDS.pack(ONE_DATA_PRELUDE, nbytes, 0)
 
 
 class Goodbye:
@@ -414,8 +416,8 @@ class FrameReader:
         events = self.events
         as_bytearray = self.small_as_bytearray
         while end - start >= ONE_FRAME_SIZE:
-            prelude, size, code = _ONE_FRAME_WORDS.unpack_from(data, start)
-            if (prelude != _ONE_DATA_PRELUDE or code or size > limit
+            prelude, size, code = ONE_FRAME_WORDS.unpack_from(data, start)
+            if (prelude != ONE_DATA_PRELUDE or code or size > limit
                     or end - start - ONE_FRAME_SIZE < size):
                 break
             start += ONE_FRAME_SIZE

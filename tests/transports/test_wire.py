@@ -20,6 +20,7 @@ from tensorwire.transports._wire import (
     FrameReader,
     Goodbye,
     pack_header,
+    pack_one_frame,
 )
 
 
@@ -192,3 +193,8 @@ def test_message_buffered_only_for_a_small_message_wholly_in_the_read_ahead_buff
     reader.buffer_updated(len(big))
     assert reader.frames_announced is not None
     assert not reader.message_buffered  # beyond one slab: its allocator decides
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 2**40])
+def test_pack_one_frame_is_the_one_frame_header(size: int) -> None:
+    assert pack_one_frame(size) == pack_header([size]) == pack_header([size], ["cpu"])
