@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -11,9 +12,9 @@ __all__ = ("Proxy",)
 
 
 class _Caller(Protocol):
-    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              timeout: float | None, idempotent: bool) -> Any:
-        """``call`` with every parameter by position."""
+    def _call(self, method: str, timeout: float | None, idempotent: bool, /,
+              *args: Any, **kwargs: Any) -> Any:
+        """``call`` with its options by position."""
 
     def stream(self, method: str, /, *args: Any, timeout: float | None = None,
                **kwargs: Any) -> Any: ...
@@ -42,10 +43,8 @@ class Proxy:
             def remote(*args: Any, **kwargs: Any) -> Any:
                 return stream(full, *args, timeout=timeout, **kwargs)
         else:
-            call = client._call  # positional: no keyword dict built per call
-
-            def remote(*args: Any, **kwargs: Any) -> Any:
-                return call(full, args, kwargs, timeout, idempotent)
+            # No Python frame between the caller and the client's call.
+            remote = functools.partial(client._call, full, timeout, idempotent)
 
         remote.__name__ = attr
         remote.__doc__ = info.doc

@@ -18,6 +18,7 @@ from typing import Any, TypeAlias, TypeVar, cast, final
 from .. import serde
 from .._metrics import MethodMetrics, Metrics
 from ..errors import (
+    ConfigError,
     DeadlineExceeded,
     LimitExceededError,
     ProtocolError,
@@ -43,6 +44,22 @@ S = TypeVar("S")
 
 #: Seconds the client's own deadline timer waits past the deadline.
 _DEADLINE_GRACE = 0.05
+#: The longest timeout a request carries: a longer one, infinity included,
+#: is this (half the protocol's bound: "no deadline" for any practical use).
+_LONGEST = protocol.MAX_TIMEOUT / 2
+
+
+def _sendable(timeout: float) -> float:
+    """A call's timeout outside (0, _LONGEST), as its request can carry it:
+    none left is 0.0 (the call then fails before it is sent), a longer one
+    is ``_LONGEST``.
+
+    Raises:
+        ConfigError: the timeout is not a number of seconds (NaN).
+    """
+    if math.isnan(timeout):
+        raise ConfigError(f"a call's timeout must be a number of seconds, got {timeout!r}")
+    return 0.0 if timeout <= 0.0 else _LONGEST
 
 
 def connect(address: str, *, config: ClientConfig | None = None, **options: Any) -> Client:
@@ -403,12 +420,13 @@ class Client:
                 ``Internal`` with the remote traceback, ...).
             EncodeError: an argument cannot be encoded.
         """
-        return self._call(method, args, kwargs, timeout, idempotent)
+        return self._call(method, timeout, idempotent, *args, **kwargs)
 
-    async def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    timeout: float | None, idempotent: bool) -> Any:
-        """``call``, with every parameter by position: typed proxies call
-        this directly, without packing keywords into a dict on every call."""
+    async def _call(self, method: str, timeout: float | None, idempotent: bool, /,
+                    *args: Any, **kwargs: Any) -> Any:
+        """``call``, with its options by position: a typed proxy's method is
+        this with them bound (``functools.partial``: no Python frame of its
+        own, no keyword dict built for the options on every call)."""
         # The request is queued without waiting: the answer cannot come
         # before it has gone. A call that ends early (deadline, cancel) may
         # leave its request still going out, so its arguments must stay
@@ -420,7 +438,13 @@ class Client:
         session = self._session
         # _deadline(), inlined.
         loop = session.loop if session is not None else asyncio.get_running_loop()
-        deadline = loop.time() + (self.config.timeout if timeout is None else timeout)
+        remaining = self.config.timeout if timeout is None else timeout
+        if not 0.0 < remaining < _LONGEST:
+            remaining = _sendable(remaining)
+        deadline = loop.time() + remaining
+        # Whether the call has waited (to connect, for a slot, to retry) and
+        # must work out anew how much of its time remains.
+        waited = False
         for arg in args:
             if type(arg) not in _PLAIN:
                 args, source, stream_arg = _split_stream(args)
@@ -443,6 +467,7 @@ class Client:
                 if session is None or channel is None or channel.error is not None:
                     session = await self._ready_by(deadline, method)
                     channel = _channel(session)
+                    waited = True
                 error = True
                 try:
                     slots = session.slots
@@ -453,12 +478,20 @@ class Client:
                         # in flight waits here, and the deadline bounds the wait.
                         async with asyncio.timeout_at(deadline):
                             await slots.acquire()
+                        waited = True
                         if session.error is not None:
                             slots.release()
                             raise Unavailable(
                                 f"connection to {self.address} lost: {session.error}")
                     try:
                         loop = session.loop
+                        if waited:
+                            remaining = deadline - loop.time()
+                        if remaining <= 0.0:
+                            # Not sent: a handler that cannot suspend would
+                            # still run, and answer after the deadline.
+                            raise DeadlineExceeded(
+                                f"{method}: the deadline passed before the call was sent")
                         call_id = next(session.ids)
                         pending: _InFlight
                         if source is None:
@@ -479,9 +512,6 @@ class Client:
                             session.arm(expires)
                         pump: asyncio.Task[None] | None = None
                         try:
-                            remaining = deadline - loop.time()
-                            if remaining < 0.0:
-                                remaining = 0.0
                             metrics.bytes_out += channel.post_frames(protocol.encode_request(
                                 call_id, method, remaining, stream_arg, payload))
                             if source is not None:
@@ -525,6 +555,7 @@ class Client:
                 if not retry:
                     raise
                 retry = False
+                waited = True
                 logger.info("retrying idempotent %s after losing the connection", method)
 
     def _deadline(self, timeout: float | None) -> float:
@@ -565,7 +596,9 @@ class Client:
                 pump: asyncio.Task[None] | None = None
                 try:
                     channel = _channel(session)
-                    remaining = max(deadline - loop.time(), 0.0)
+                    remaining = deadline - loop.time()
+                    if not 0.0 < remaining < _LONGEST:
+                        remaining = _sendable(remaining)
                     async with asyncio.timeout_at(deadline):
                         metrics.bytes_out += await channel.send(
                             protocol.Request(call_id, method, remaining, stream_arg, payload)

@@ -74,7 +74,8 @@ _HAS_TIMEOUT = 1
 #: ERROR's message and traceback are cut to this many characters each, so
 #: that a huge exception text cannot push a header past MAX_HEADER_BYTES.
 MAX_ERROR_TEXT = 16 * 1024
-_MAX_TIMEOUT = 10.0**9
+#: A REQUEST's timeout is below this many seconds (about 31 years).
+MAX_TIMEOUT = 10.0**9
 
 
 class Kind(enum.IntEnum):
@@ -304,7 +305,7 @@ def _parse_request(view: memoryview | bytearray, frames: Sequence[Any]) -> Reque
     if flags:
         # NaN would corrupt the server's timer heap; negative or infinite
         # deadlines have no meaning.
-        if not (0 <= timeout < _MAX_TIMEOUT):
+        if not (0 <= timeout < MAX_TIMEOUT):
             raise ProtocolError(f"REQUEST timeout must be finite and >= 0, got {timeout!r}")
     elif timeout != 0 or math.copysign(1, timeout) < 0:
         raise ProtocolError("REQUEST without a timeout must carry 0.0 there")

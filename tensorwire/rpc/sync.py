@@ -49,18 +49,18 @@ class SyncClient:
     def call(self, method: str, /, *args: Any, timeout: float | None = None,
              idempotent: bool = False, **kwargs: Any) -> Any:
         """Call and wait for the result; raises what ``Client.call`` raises."""
-        return self._call(method, args, kwargs, timeout, idempotent)
+        return self._call(method, timeout, idempotent, *args, **kwargs)
 
-    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              timeout: float | None, idempotent: bool) -> Any:
-        """``call`` with every parameter by position (what proxies call)."""
-        return self._wait(self._run(self._client._call(method, args, kwargs, timeout,
-                                                       idempotent)))
+    def _call(self, method: str, timeout: float | None, idempotent: bool, /,
+              *args: Any, **kwargs: Any) -> Any:
+        """``call`` with its options by position (what proxies call)."""
+        return self._wait(self._run(self._client._call(method, timeout, idempotent,
+                                                       *args, **kwargs)))
 
     def submit(self, method: str, /, *args: Any, timeout: float | None = None,
                idempotent: bool = False, **kwargs: Any) -> concurrent.futures.Future[Any]:
         """Start a call; its future's ``cancel()`` cancels it on the server too."""
-        return self._run(self._client._call(method, args, kwargs, timeout, idempotent))
+        return self._run(self._client._call(method, timeout, idempotent, *args, **kwargs))
 
     def stream(self, method: str, /, *args: Any, timeout: float | None = None,
                **kwargs: Any) -> Iterator[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import math
 import traceback
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 import tensorwire as tw
 from tensorwire import rpc, testing
 from tensorwire.errors import (
+    ConfigError,
     DeadlineExceeded,
     EncodeError,
     Internal,
@@ -105,6 +107,30 @@ async def test_deadline_passing_mid_handler_cancels_it(url: str) -> None:
                 break
             await asyncio.sleep(0.01)
         assert store.cancelled == ["late"]
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0])
+async def test_a_deadline_already_past_fails_only_its_call(url: str, timeout: float) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        assert await client.call("Store.echo", 1) == 1
+        with pytest.raises(DeadlineExceeded):
+            await client.call("Store.echo", 2, timeout=timeout)
+        with pytest.raises(DeadlineExceeded):
+            await client.proxy(Store, timeout=timeout).echo(3)
+        assert await client.call("Store.echo", 4) == 4  # the connection goes on
+
+
+async def test_an_infinite_timeout_is_no_deadline_and_nan_is_refused(url: str) -> None:
+    async with serving(url) as server, tw.connect(server.addresses[0]) as client:
+        assert await client.call("Store.echo", 1, timeout=math.inf) == 1
+        assert await client.proxy(Store, timeout=1e12).echo(2) == 2
+        assert [i async for i in client.stream("Store.count", 3, timeout=math.inf)] == [0, 1, 2]
+        with pytest.raises(ConfigError, match="timeout"):
+            await client.call("Store.echo", 3, timeout=math.nan)
+        with pytest.raises(ConfigError, match="timeout"):
+            async for _ in client.stream("Store.count", 3, timeout=math.nan):
+                pass
+        assert await client.call("Store.echo", 4) == 4  # the connection goes on
 
 
 async def test_deadline_travels_to_the_server(url: str) -> None:
