@@ -75,11 +75,11 @@ DEFAULT_INLINE_THRESHOLD: Final = 1024
 # Values msgpack packs natively and exactly; the walk leaves them as they are.
 # (Ints beyond 64 bits reach Encoder._default from inside the Packer.)
 _NATIVE: Final = frozenset({str, int, float, bool, type(None)})
-# Dict keys kept as they are (keys are always inline, whatever their size).
 #: Values packed with no walk (``Encoder.encode``), and the largest packing
 #: of one (a 64-bit int or a float: marker byte and eight bytes).
 _SCALARS: Final = frozenset({int, float, bool, type(None)})
 _SCALAR_MAX_BYTES: Final = 9
+# Dict keys kept as they are (keys are always inline, whatever their size).
 _NATIVE_KEYS: Final = frozenset({str, int, float, bool, type(None), bytes})
 _CONTAINERS: Final = (list, tuple, dict)
 _U8: Final = np.dtype(np.uint8)
