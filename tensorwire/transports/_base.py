@@ -73,21 +73,14 @@ def host_empty(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return raw[offset : offset + nbytes]
 
 
-def device_empty(nbytes: int) -> Any:
-    """A CUDA uint8 array of ``nbytes`` on the current device (needs CuPy)."""
-    try:
-        import cupy
-    except ImportError as exc:
-        raise TransportError("a CUDA frame arrived but CuPy is not installed") from exc
-    return cupy.empty(nbytes, dtype=cupy.uint8)
-
-
 def default_allocator(info: FrameInfo) -> Any:
     """Allocate each frame at its exact size where it belongs.
 
     Host frames of ``POOL_MIN_BYTES`` and more come from :func:`buffer_pool`.
     """
     if info.device == "cuda":
+        from ._device import device_empty
+
         return device_empty(info.nbytes)
     return host_empty(info.nbytes)
 
@@ -372,16 +365,23 @@ class Connection(abc.ABC):
     messages_received: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    #: Bytes of CUDA frames, sent or received, that went through host memory
+    #: because the transport cannot move device memory (tcp://): 0 where
+    #: every device frame went device to device (ucx://, inproc://).
+    device_bytes_staged: int = 0
 
     def stats(self) -> dict[str, int]:
         """Messages and bytes this connection sent and received.
 
         Bytes are the frames' bytes; a byte stream (tcp://) counts what goes
         over the socket: its 8-byte handshake and the framing too.
+        ``device_bytes_staged`` counts the CUDA frames' bytes that were
+        copied through host memory on the way.
         """
         return {"messages_sent": self.messages_sent,
                 "messages_received": self.messages_received,
-                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "device_bytes_staged": self.device_bytes_staged}
 
     @property
     @abc.abstractmethod

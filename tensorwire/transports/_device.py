@@ -1,6 +1,9 @@
-"""GPU frames on transports that cannot move device memory themselves.
+"""CUDA memory for transports: receive buffers, and the copies through host
+memory that a transport which cannot move device memory itself needs.
 
-Imported only when a CUDA frame is met; needs CuPy.
+Imported only when a CUDA frame is met. Uses CuPy where it is installed,
+else PyTorch with CUDA, so that a torch-only process receives device
+tensors too.
 """
 
 from __future__ import annotations
@@ -11,31 +14,69 @@ import numpy as np
 
 from ..errors import TransportError
 
-__all__ = ("copy_host_to_device", "device_to_host")
+__all__ = ("copy_host_to_device", "device_empty", "device_to_host")
 
 
-def _cupy() -> Any:
+def _library() -> tuple[str, Any]:
+    """``("cupy", cupy)``, else ``("torch", torch)``.
+
+    Raises:
+        TransportError: neither is installed.
+    """
     try:
         import cupy
+    except ImportError:
+        pass
+    else:
+        return "cupy", cupy
+    try:
+        import torch
     except ImportError as exc:
-        raise TransportError("CUDA frames need CuPy (pip install 'tensorwire[gpu]')") from exc
-    return cupy
+        raise TransportError(
+            "a CUDA frame needs CuPy or PyTorch (pip install 'tensorwire[gpu]')"
+        ) from exc
+    return "torch", torch
+
+
+def device_empty(nbytes: int) -> Any:
+    """A CUDA uint8 array of ``nbytes`` on the current device.
+
+    Raises:
+        TransportError: neither CuPy nor PyTorch is installed.
+    """
+    name, lib = _library()
+    if name == "cupy":
+        return lib.empty(nbytes, dtype=lib.uint8)
+    return lib.empty(nbytes, dtype=lib.uint8, device="cuda")
 
 
 def _as_device_bytes(frame: Any) -> Any:
-    cupy = _cupy()
-    array = cupy.asarray(frame)
-    if not array.flags.c_contiguous:
+    name, lib = _library()
+    if name == "cupy":
+        array = lib.asarray(frame)
+        if not array.flags.c_contiguous:
+            raise TransportError("CUDA frames must be C-contiguous")
+        return array.reshape(-1).view(lib.uint8)
+    tensor = lib.as_tensor(frame, device="cuda")
+    if not tensor.is_contiguous():
         raise TransportError("CUDA frames must be C-contiguous")
-    return array.reshape(-1).view(cupy.uint8)
+    return tensor.reshape(-1).view(lib.uint8)
 
 
 def device_to_host(frame: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """Copy a CUDA frame to host memory (synchronises its stream)."""
-    host: np.ndarray[Any, np.dtype[np.uint8]] = _as_device_bytes(frame).get()
+    data = _as_device_bytes(frame)
+    host: np.ndarray[Any, np.dtype[np.uint8]] = (
+        data.get() if hasattr(data, "get") else data.cpu().numpy())
     return host
 
 
 def copy_host_to_device(dst: Any, host: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
     """Copy a received host bounce buffer into its CUDA frame."""
-    _as_device_bytes(dst).set(host)
+    data = _as_device_bytes(dst)
+    if hasattr(data, "set"):
+        data.set(host)
+    else:
+        import torch
+
+        data.copy_(torch.from_numpy(host))

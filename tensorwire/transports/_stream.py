@@ -55,11 +55,12 @@ LIVENESS_QUANTUM = 64 * 1024
 READ_AHEAD_MESSAGES = 64
 
 
-def outgoing(frames: Sequence[Any]) -> list[Any]:
+def outgoing(frames: Sequence[Any], owner: Connection | None = None) -> list[Any]:
     """The buffers that put ``frames`` on a byte stream: header, then frames.
 
     Host frames go as zero-copy views; a CUDA frame is first copied to host
-    memory, since a socket cannot read device memory.
+    memory, since a socket cannot read device memory, and counted in the
+    ``device_bytes_staged`` of ``owner`` (the connection that sends it).
     """
     if len(frames) == 1 and type(frames[0]) is bytes:
         # A small RPC message (its header frame holds the value).
@@ -76,9 +77,12 @@ def outgoing(frames: Sequence[Any]) -> list[Any]:
 
             if devices is None:
                 devices = ["cpu"] * index
-            sizes.append(device_nbytes(frame))
+            nbytes = device_nbytes(frame)
+            sizes.append(nbytes)
             devices.append("cuda")
             views.append(device_to_host(frame).data)
+            if owner is not None:
+                owner.device_bytes_staged += nbytes
         else:
             view = host_view(frame)
             sizes.append(view.nbytes)
@@ -91,7 +95,7 @@ def outgoing(frames: Sequence[Any]) -> list[Any]:
 _HOST_TYPES = frozenset({bytes, bytearray, memoryview})
 
 
-def _outgoing_many(messages: Sequence[Sequence[Any]]) -> list[Any]:
+def _outgoing_many(messages: Sequence[Sequence[Any]], owner: Connection) -> list[Any]:
     buffers: list[Any] = []
     append = buffers.append
     pack = ONE_FRAME_WORDS.pack
@@ -104,7 +108,7 @@ def _outgoing_many(messages: Sequence[Sequence[Any]]) -> list[Any]:
                 append(pack(ONE_DATA_PRELUDE, len(frame), 0))
                 append(frame)
                 continue
-        buffers.extend(outgoing(frames))
+        buffers.extend(outgoing(frames, owner))
     return buffers
 
 
@@ -162,10 +166,15 @@ class StreamConnection(Connection):
     def last_activity(self) -> float | None:
         return self._last_activity
 
+    def stats(self) -> dict[str, int]:
+        stats = super().stats()
+        stats["device_bytes_staged"] += self._reader.staged_bytes
+        return stats
+
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:
             raise self._closed_error()
-        buffers = outgoing(frames)
+        buffers = outgoing(frames, self)
         self._count_out(1, buffers)
         await self._send_locked(buffers)
 
@@ -174,7 +183,7 @@ class StreamConnection(Connection):
         # at once) that is one syscall instead of one per message.
         if self.closed:
             raise self._closed_error()
-        buffers = _outgoing_many(messages)
+        buffers = _outgoing_many(messages, self)
         self._count_out(len(messages), buffers)
         await self._send_locked(buffers)
 
@@ -188,7 +197,7 @@ class StreamConnection(Connection):
     def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
         if self.closed:
             raise self._closed_error()
-        buffers = _outgoing_many(messages)
+        buffers = _outgoing_many(messages, self)
         nbytes = self._count_out(len(messages), buffers)
         if not self._writes_now or self._send_lock.locked() or self._tail is not None:
             # Started now, not from a task's first step: it takes its place

@@ -192,6 +192,8 @@ class FrameReader:
         # bytes still to drop after it.
         self._refused: LimitExceededError | None = None
         self._skip_left = 0
+        #: Bytes of CUDA frames received into host memory and copied up.
+        self.staged_bytes = 0
         self._staging_bytes = bytearray(STAGING_SIZE)
         self._staging = memoryview(self._staging_bytes)
         # A one-frame message up to this size passes every limit and fits
@@ -326,6 +328,7 @@ class FrameReader:
 
             for index, bounce in self._bounce.items():
                 copy_host_to_device(self._frames[index], bounce)
+                self.staged_bytes += bounce.nbytes
             self._bounce = {}
         self.events.append(self._frames)
         self._frames, self._views, self._infos = [], [], []

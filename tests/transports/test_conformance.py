@@ -108,6 +108,7 @@ async def test_connections_count_their_messages_and_bytes(listen_url: str) -> No
     # Frames' bytes; a byte stream counts its framing too.
     assert payload <= stats["bytes_sent"] < payload + 512
     assert stats["bytes_received"] == stats["bytes_sent"]
+    assert stats["device_bytes_staged"] == 0  # host frames only
 
 
 async def test_empty_message_and_empty_frames(listen_url: str) -> None:

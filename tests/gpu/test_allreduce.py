@@ -1,0 +1,62 @@
+"""Allreduce of CuPy arrays and torch.cuda tensors across 2 and 4 processes.
+
+Every rank reduces in place, on the device (the result is the caller's own
+array, at the same device address), and checks it against the sum that
+NumPy computes on the host from every rank's input (each rank can rebuild
+the others' inputs from their seeds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tensorwire.collective import serve_rendezvous
+
+from ._procs import HAS_UCX, cuda_transports, failed, gpu_or_skip, keep_evidence, reports, start
+
+LISTEN = {
+    "ucx": pytest.param("ucx://127.0.0.1:0", id="ucx", marks=pytest.mark.skipif(
+        not HAS_UCX, reason="ucxx is not installed")),
+    "tcp": pytest.param("tcp://127.0.0.1:0", id="tcp"),
+}
+
+
+async def run_ranks(kind: str, world: int, listen: str) -> list[str]:
+    server, master = await serve_rendezvous("tcp://127.0.0.1:0", world)
+    children = []
+    try:
+        for rank in range(world):
+            children.append(await start("rank", kind, str(rank), str(world), master, listen))
+        outputs = await asyncio.wait_for(
+            asyncio.gather(*(child.communicate() for child in children)), 110)
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+        await server.close(grace=0)
+    texts = [out.decode(errors="replace") for out, _ in outputs]
+    for child, text in zip(children, texts, strict=True):
+        assert child.returncode == 0, text[-4000:]
+    return texts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("kind", "world", "listen"), [
+    ("cupy", 2, LISTEN["ucx"]),
+    ("torch", 2, LISTEN["ucx"]),
+    ("cupy", 4, LISTEN["ucx"]),
+    ("torch", 4, LISTEN["ucx"]),
+    ("cupy", 2, LISTEN["tcp"]),
+])
+async def test_allreduce_on_the_device(kind: str, world: int, listen: str) -> None:
+    gpu_or_skip()
+    texts = await run_ranks(kind, world, listen)
+    found = [r for text in texts for r in reports(text) if "check" in r]
+    assert len(found) == world * 4, "\n".join(t[-2000:] for t in texts)
+    assert not failed(found), failed(found)
+    if listen.startswith("ucx"):
+        keep_evidence(f"allreduce {kind} x{world} over ucx://, rank 0", texts[0])
+        assert "cuda_ipc" in cuda_transports(texts[0]), texts[0][-6000:]
