@@ -74,6 +74,7 @@ def peer_env(proto_info: bool = False) -> dict[str, str]:
     env["UCX_RNDV_SCHEME"] = "put_zcopy"  # as ucx:// sets it
     if proto_info:
         env["UCX_PROTO_INFO"] = "y"
+        env["UCX_LOG_LEVEL"] = "info"
     return env
 
 

@@ -33,6 +33,7 @@ def peer_env() -> dict[str, str]:
     """The peers' environment: UCX prints its protocol tables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     env["UCX_PROTO_INFO"] = "y"
+    env["UCX_LOG_LEVEL"] = "info"  # where UCX prints those tables
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
