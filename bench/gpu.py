@@ -228,13 +228,80 @@ def raw_client(port: str, sizes: list[int], quick: bool) -> None:
     asyncio.run(main())
 
 
-# -- tensorwire RPC over ucx:// ------------------------------------------------------
+# -- tensorwire over ucx://: the RPC, and its transport alone ---------------------------
+
+
+def transport_config() -> Any:
+    """ucx:// settings of the tensorwire roles: progress mode and spin from
+    ``GPU_BENCH_UCX`` (``mode,spin``; set by ``--progress`` and ``--spin``)."""
+    from tensorwire.transports import TransportConfig, UCXOptions
+
+    mode, _, spin = os.environ.get("GPU_BENCH_UCX", "blocking,").partition(",")
+    options = UCXOptions(progress_mode=mode) if not spin else UCXOptions(
+        progress_mode=mode, spin=float(spin))
+    return TransportConfig(ucx=options)
+
+
+def conn_server() -> None:
+    import cupy
+
+    from tensorwire.transports import listen
+
+    async def main() -> None:
+        cupy.cuda.Device(0).use()
+        done = asyncio.Event()
+
+        async def echo(conn: Any) -> None:
+            while True:
+                frames = await conn.recv()
+                if len(frames) == 1:
+                    break  # the client's goodbye
+                await conn.send(frames[1:])
+            await conn.close()
+            done.set()
+
+        listener = await listen("ucx://127.0.0.1:0", echo, config=transport_config())
+        report(address=listener.address)
+        await done.wait()
+        await listener.close()
+
+    asyncio.run(main())
+
+
+def conn_client(address: str, sizes: list[int], quick: bool) -> None:
+    import cupy
+
+    from tensorwire.transports import connect
+
+    async def main() -> None:
+        cupy.cuda.Device(0).use()
+        conn = await connect(address, config=transport_config())
+        for size in sizes:
+            data = cupy.ones(size, cupy.uint8)
+            samples = []
+            back = None
+            for i in range(repetitions(size, quick) + 2):
+                start = time.perf_counter()
+                await conn.send([b"echo", data])
+                (back,) = await conn.recv()
+                if i >= 2:
+                    samples.append(time.perf_counter() - start)
+            ok = back is not None and bool((cupy.asarray(back) == data).all())
+            report(size=size, seconds=statistics.median(samples), ok=ok)
+            del data, back
+        await conn.send([b"end"])
+        await conn.close()
+
+    asyncio.run(main())
+
+
 
 
 def tw_server() -> None:
     import cupy
 
     from tensorwire import Server, rpc
+    from tensorwire.rpc import ServerConfig
 
     class Echo(rpc.Service):
         @rpc.method
@@ -247,7 +314,7 @@ def tw_server() -> None:
 
     async def main() -> None:
         cupy.cuda.Device(0).use()
-        server = Server([Echo()])
+        server = Server([Echo()], config=ServerConfig(transport=transport_config()))
         (address,) = await server.start("ucx://127.0.0.1:0")
         report(address=address)
         await done.wait()
@@ -264,7 +331,7 @@ def tw_client(address: str, sizes: list[int], quick: bool) -> None:
 
     async def main() -> None:
         cupy.cuda.Device(0).use()
-        async with connect(address, timeout=300) as client:
+        async with connect(address, timeout=300, transport=transport_config()) as client:
             for size in sizes:
                 data = cupy.ones(size, cupy.uint8)
                 samples = []
@@ -321,7 +388,8 @@ def tw_rank(rank: str, world: str, master: str, sizes: list[int], quick: bool) -
         cupy.cuda.Device(0).use()
         group = await Group.create(rank=int(rank), world_size=int(world), master=master,
                                    listen="ucx://127.0.0.1:0",
-                                   config=GroupConfig(timeout=300, rendezvous_timeout=120))
+                                   config=GroupConfig(timeout=300, rendezvous_timeout=120,
+                                                      transport=transport_config()))
         try:
             for size in sizes:
                 x = cupy.ones(size // 4, cupy.float32)
@@ -348,6 +416,7 @@ def nccl_rank(rank: str, world: str, port: str, sizes: list[int], quick: bool) -
 
     torch.cuda.set_device(0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    os.environ.setdefault("NCCL_DEBUG", "WARN")  # says why it refuses
     try:
         dist.init_process_group("nccl", rank=int(rank), world_size=int(world),
                                 device_id=torch.device("cuda", 0),
@@ -368,6 +437,8 @@ def nccl_rank(rank: str, world: str, port: str, sizes: list[int], quick: bool) -
         dist.destroy_process_group()
     except Exception as exc:
         report(refused=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+        sys.stdout.flush()
+        os._exit(0)  # NCCL's threads may hold the interpreter up
 
 
 def free_port() -> int:
@@ -386,13 +457,15 @@ def allreduce_variant(kind: str, sizes: list[int], quick: bool,
     children = [spawn(role, str(rank), str(world), master, ",".join(map(str, sizes)),
                       str(int(quick))) for rank in range(world)]
     try:
-        results = [found for found, _ in finish_all(children, timeout=240 if
-                                                      kind == "tensorwire" else 90)]
+        outputs = finish_all(children, timeout=240 if kind == "tensorwire" else 90)
     except RuntimeError as exc:
         return {}, " ".join(str(exc).split())[:400]
+    results = [found for found, _ in outputs]
     refused = [r["refused"] for r in results[0] if "refused" in r]
     if refused:
-        return {}, refused[0]
+        warnings = sorted({line.split("NCCL WARN", 1)[1].strip() for _, out in outputs
+                           for line in out.splitlines() if "NCCL WARN" in line})
+        return {}, "; ".join([refused[0], *warnings])[:600]
     factor = 2 * (world - 1) / world
     rates = {}
     for r in results[0]:
@@ -434,35 +507,44 @@ def main() -> None:
     if "--role" in sys.argv:
         index = sys.argv.index("--role")
         role, *args = sys.argv[index + 1:]
-        roles = {"raw-server": raw_server, "tw-server": tw_server}
+        roles = {"raw-server": raw_server, "tw-server": tw_server, "conn-server": conn_server}
         if role in roles:
             roles[role]()
             return
         *head, sizes, quick = args
-        clients = {"raw-client": raw_client, "tw-client": tw_client, "tw-rank": tw_rank,
+        clients = {"raw-client": raw_client, "tw-client": tw_client, "conn-client": conn_client,
+                   "tw-rank": tw_rank,
                    "nccl-rank": nccl_rank}
         clients[role](*head, [int(s) for s in sizes.split(",")], bool(int(quick)))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the table")
+    parser.add_argument("--progress", choices=("blocking", "polling"), default="blocking",
+                        help="UCXOptions.progress_mode of the tensorwire processes")
+    parser.add_argument("--spin", type=float, help="UCXOptions.spin of the tensorwire processes")
+    parser.add_argument("--no-allreduce", action="store_true", help="the echo table only")
     options = parser.parse_args()
     from tests.gpu._procs import cuda_transports
 
     quick = options.quick
+    os.environ["GPU_BENCH_UCX"] = f"{options.progress},{options.spin or ''}"
     sizes = QUICK_SIZES if quick else SIZES
     reduce_sizes = QUICK_ALLREDUCE_SIZES if quick else ALLREDUCE_SIZES
     began = time.perf_counter()
     copy = copy_rates(sizes, quick)
     raw, _, _ = echo_pair("raw-server", "raw-client", sizes, quick)
+    conn, _, _ = echo_pair("conn-server", "conn-client", sizes, quick)
     tw, tw_out, staged = echo_pair("tw-server", "tw-client", sizes, quick)
     transports = sorted(cuda_transports(tw_out))
-    tw_reduce, tw_why = allreduce_variant("tensorwire", reduce_sizes, quick)
-    nccl, nccl_why = allreduce_variant("nccl", reduce_sizes, quick)
+    if not options.no_allreduce:
+        tw_reduce, tw_why = allreduce_variant("tensorwire", reduce_sizes, quick)
+        nccl, nccl_why = allreduce_variant("nccl", reduce_sizes, quick)
     took = time.perf_counter() - began
 
-    command = "python bench/gpu.py" + (" --quick" if quick else "")
+    command = " ".join(["python bench/gpu.py", *sys.argv[1:]])
     met = all(tw[s] >= TARGET_RATIO * raw[s] for s in sizes if s >= TARGET_FROM)
+    spin = "" if options.spin is None else f", spin {options.spin} s"
     lines = [
         "# GPU: device-to-device echo and allreduce on one GPU",
         "",
@@ -470,35 +552,36 @@ def main() -> None:
         "each pair runs in processes of its own on the one GPU.",
         "",
         *environment(),
+        f"- ucx:// progress: {options.progress}{spin}; raw ucxx: blocking mode (its request "
+        "waits poll the worker)",
         f"- UCX transports chosen for CUDA memory (UCX_PROTO_INFO, tensorwire pair): "
         f"{', '.join(transports) or 'none found in the log'}",
         f"- device bytes tensorwire staged through host memory over ucx://: {staged}",
         "",
         "## Echo of a CuPy array (GB/s = 2 x size / round trip; the copy: size / time)",
         "",
-        "| size | tensorwire ucx:// | raw ucxx | tensorwire / raw | CuPy copy, one process |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| size | tensorwire RPC ucx:// | ucx:// connection | raw ucxx | RPC / raw "
+        "| CuPy copy, one process |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for size in sizes:
-        ratio = tw[size] / raw[size]
-        lines.append(f"| {size // MiB} MiB | {gbps(tw[size])} | {gbps(raw[size])} | "
-                     f"{ratio:.2f} | {gbps(copy[size])} |")
+        lines.append(f"| {size // MiB} MiB | {gbps(tw[size])} | {gbps(conn[size])} | "
+                     f"{gbps(raw[size])} | {tw[size] / raw[size]:.2f} | {gbps(copy[size])} |")
     lines += [
         "",
-        f"Target: tensorwire at least {TARGET_RATIO:.0%} of raw ucxx from "
+        f"Target: tensorwire RPC at least {TARGET_RATIO:.0%} of raw ucxx from "
         f"{TARGET_FROM // MiB} MiB: {'met' if met else 'missed'}.",
-        "",
-        "## Allreduce, 2 processes, float32 (busbw GB/s)",
-        "",
     ]
-    if tw_why:
-        lines.append(f"tensorwire could not run: {tw_why}")
-    if nccl_why:
-        lines.append(f"NCCL on one GPU: {nccl_why}")
-    lines += ["", "| size | tensorwire ucx:// | NCCL |", "| ---: | ---: | ---: |"]
-    for size in reduce_sizes:
-        lines.append(f"| {size // MiB} MiB | {gbps(tw_reduce.get(size))} | "
-                     f"{gbps(nccl.get(size))} |")
+    if not options.no_allreduce:
+        lines += ["", "## Allreduce, 2 processes, float32 (busbw GB/s)", ""]
+        if tw_why:
+            lines.append(f"tensorwire could not run: {tw_why}")
+        if nccl_why:
+            lines.append(f"NCCL, two ranks on one GPU: {nccl_why}")
+        lines += ["", "| size | tensorwire ucx:// | NCCL |", "| ---: | ---: | ---: |"]
+        for size in reduce_sizes:
+            lines.append(f"| {size // MiB} MiB | {gbps(tw_reduce.get(size))} | "
+                         f"{gbps(nccl.get(size))} |")
     text = "\n".join(lines) + "\n"
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(text)

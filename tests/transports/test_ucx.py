@@ -32,7 +32,6 @@ from tensorwire.transports import (
 )
 from tensorwire.transports._wire import HANDSHAKE
 
-from .._cuda import cupy_or_skip
 from .test_conformance import as_bytes, echo, pattern
 from .test_tcp import send_raw
 
@@ -394,34 +393,3 @@ async def test_killed_server_process_fails_our_recv_within_seconds(tmp_path: Pat
         with contextlib.suppress(ProcessLookupError):
             child.kill()
         await child.wait()
-
-
-@pytest.mark.gpu
-async def test_cuda_frames_arrive_in_device_memory() -> None:
-    cupy = cupy_or_skip()
-    data = cupy.arange(1 << 20, dtype=cupy.float32)
-    async with echo_server() as listener, await connect(listener.address) as conn:
-        await conn.send([b"meta", data, np.arange(10, dtype=np.uint8)])
-        meta, device, host = await conn.recv()
-        assert as_bytes(meta) == b"meta"
-        assert hasattr(device, "__cuda_array_interface__")
-        assert bool((device.view(cupy.float32) == data).all())
-        assert np.array_equal(host, np.arange(10, dtype=np.uint8))
-
-
-@pytest.mark.gpu
-async def test_cuda_frame_into_allocator_memory() -> None:
-    cupy = cupy_or_skip()
-    given: list[Any] = []
-
-    def allocator(info: Any) -> Any:
-        assert info.device == "cuda"
-        given.append(cupy.empty(info.nbytes, cupy.uint8))
-        return given[-1]
-
-    data = cupy.arange(3 << 20, dtype=cupy.uint8)
-    async with echo_server() as listener, await connect(listener.address) as conn:
-        await conn.send([data])
-        (frame,) = await conn.recv(allocator=allocator)
-        assert frame is given[0]
-        assert bool((frame == data).all())
