@@ -242,6 +242,26 @@ def transport_config() -> Any:
     return TransportConfig(ucx=options)
 
 
+def run(role: str, main: Any) -> None:
+    """``asyncio.run(main())``; under cProfile when ``GPU_BENCH_PROFILE`` names
+    a folder (``--profile``), which gets the role's top functions."""
+    folder = os.environ.get("GPU_BENCH_PROFILE")
+    if not folder:
+        asyncio.run(main())
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(asyncio.run, main())
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    Path(folder, f"profile-{role}.txt").write_text(text.getvalue())
+
+
 def conn_server() -> None:
     import cupy
 
@@ -265,7 +285,7 @@ def conn_server() -> None:
         await done.wait()
         await listener.close()
 
-    asyncio.run(main())
+    run("conn-server", main)
 
 
 def conn_client(address: str, sizes: list[int], quick: bool) -> None:
@@ -292,7 +312,7 @@ def conn_client(address: str, sizes: list[int], quick: bool) -> None:
         await conn.send([b"end"])
         await conn.close()
 
-    asyncio.run(main())
+    run("conn-client", main)
 
 
 
@@ -321,7 +341,7 @@ def tw_server() -> None:
         await server.close(grace=1)
 
     done = asyncio.Event()
-    asyncio.run(main())
+    run("tw-server", main)
 
 
 def tw_client(address: str, sizes: list[int], quick: bool) -> None:
@@ -348,7 +368,7 @@ def tw_client(address: str, sizes: list[int], quick: bool) -> None:
             report(staged=stats["device_bytes_staged"])
             await client.call("Echo.stop")
 
-    asyncio.run(main())
+    run("tw-client", main)
 
 
 def echo_pair(server_role: str, client_role: str, sizes: list[int],
@@ -524,11 +544,16 @@ def main() -> None:
                         help="UCXOptions.progress_mode of the tensorwire processes")
     parser.add_argument("--spin", type=float, help="UCXOptions.spin of the tensorwire processes")
     parser.add_argument("--no-allreduce", action="store_true", help="the echo table only")
+    parser.add_argument("--profile", type=Path,
+                        help="a folder for cProfile summaries of the tensorwire processes")
     options = parser.parse_args()
     from tests.gpu._procs import cuda_transports
 
     quick = options.quick
     os.environ["GPU_BENCH_UCX"] = f"{options.progress},{options.spin or ''}"
+    if options.profile:
+        options.profile.mkdir(parents=True, exist_ok=True)
+        os.environ["GPU_BENCH_PROFILE"] = str(options.profile.resolve())
     sizes = QUICK_SIZES if quick else SIZES
     reduce_sizes = QUICK_ALLREDUCE_SIZES if quick else ALLREDUCE_SIZES
     began = time.perf_counter()

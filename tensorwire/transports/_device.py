@@ -8,13 +8,14 @@ tensors too.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 
 from ..errors import TransportError
 
-__all__ = ("copy_host_to_device", "device_empty", "device_to_host")
+__all__ = ("copy_host_to_device", "device_empty", "device_to_host", "sync_current_streams")
 
 
 def _library() -> tuple[str, Any]:
@@ -63,8 +64,25 @@ def _as_device_bytes(frame: Any) -> Any:
     return tensor.reshape(-1).view(lib.uint8)
 
 
+def sync_current_streams() -> None:
+    """Wait for the GPU work queued on the current CuPy and torch streams.
+
+    A transport reads a device frame on a stream of its own (UCX's copy
+    engines, or the copy to host memory below): a kernel still writing the
+    frame on the caller's stream, the default one or a side stream, would
+    race with it. Only libraries already imported can have queued work.
+    """
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.cuda.get_current_stream().synchronize()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
 def device_to_host(frame: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """Copy a CUDA frame to host memory (synchronises its stream)."""
+    """Copy a CUDA frame to host memory, once the work queued on it is done."""
+    sync_current_streams()
     data = _as_device_bytes(frame)
     host: np.ndarray[Any, np.dtype[np.uint8]] = (
         data.get() if hasattr(data, "get") else data.cpu().numpy())
@@ -72,11 +90,13 @@ def device_to_host(frame: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
 
 
 def copy_host_to_device(dst: Any, host: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-    """Copy a received host bounce buffer into its CUDA frame."""
+    """Copy a received host bounce buffer into its CUDA frame, and wait for
+    the copy: the receiver may read the frame on any stream."""
     data = _as_device_bytes(dst)
     if hasattr(data, "set"):
         data.set(host)
+        sys.modules["cupy"].cuda.get_current_stream().synchronize()
     else:
         import torch
 
-        data.copy_(torch.from_numpy(host))
+        data.copy_(torch.from_numpy(host))  # synchronous: not non_blocking

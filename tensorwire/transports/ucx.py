@@ -156,22 +156,6 @@ def _to_ucx_url(url: str) -> str:
     return "ucx://" + url.partition("://")[2]
 
 
-def _sync_device_streams() -> None:
-    """Wait for pending GPU work on the current stream before UCX reads device memory.
-
-    UCX copies device frames on its own streams; a kernel still writing a
-    frame on the producer's stream would race with it.
-    """
-    import sys
-
-    cupy = sys.modules.get("cupy")
-    if cupy is not None:
-        cupy.cuda.get_current_stream().synchronize()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()
-
-
 def _retrieve(future: asyncio.Future[None]) -> None:
     """Mark a send's outcome as seen when nobody waits for it any more."""
     if not future.cancelled():
@@ -239,7 +223,9 @@ class _Outgoing:
         self.frames = separate
         self.nbytes = sum(sizes)
         if device:
-            _sync_device_streams()
+            from ._device import sync_current_streams
+
+            sync_current_streams()
 
 
 class _Announced:

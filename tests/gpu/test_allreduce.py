@@ -16,11 +16,7 @@ from tensorwire.collective import serve_rendezvous
 
 from ._procs import HAS_UCX, cuda_transports, failed, gpu_or_skip, keep_evidence, reports, start
 
-LISTEN = {
-    "ucx": pytest.param("ucx://127.0.0.1:0", id="ucx", marks=pytest.mark.skipif(
-        not HAS_UCX, reason="ucxx is not installed")),
-    "tcp": pytest.param("tcp://127.0.0.1:0", id="tcp"),
-}
+UCX = pytest.mark.skipif(not HAS_UCX, reason="ucxx is not installed")
 
 
 async def run_ranks(kind: str, world: int, listen: str) -> list[str]:
@@ -45,11 +41,11 @@ async def run_ranks(kind: str, world: int, listen: str) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("kind", "world", "listen"), [
-    ("cupy", 2, LISTEN["ucx"]),
-    ("torch", 2, LISTEN["ucx"]),
-    ("cupy", 4, LISTEN["ucx"]),
-    ("torch", 4, LISTEN["ucx"]),
-    ("cupy", 2, LISTEN["tcp"]),
+    pytest.param("cupy", 2, "ucx://127.0.0.1:0", marks=UCX),
+    pytest.param("torch", 2, "ucx://127.0.0.1:0", marks=UCX),
+    pytest.param("cupy", 4, "ucx://127.0.0.1:0", marks=UCX),
+    pytest.param("torch", 4, "ucx://127.0.0.1:0", marks=UCX),
+    pytest.param("cupy", 2, "tcp://127.0.0.1:0"),
 ])
 async def test_allreduce_on_the_device(kind: str, world: int, listen: str) -> None:
     gpu_or_skip()
