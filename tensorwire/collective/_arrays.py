@@ -89,12 +89,19 @@ class Flat:
         return part.view(self.xp.uint8)
 
     def reduce_into(self, op: ReduceOp, dst: Any, src: Any) -> None:
-        """``dst = op(dst, src)`` in place."""
+        """``dst = op(dst, src)`` in place.
+
+        Returns once the reduction has run, also on a GPU, where the kernel
+        would otherwise still read ``src`` while the next message lands in
+        it (the algorithms receive segment after segment into one scratch).
+        """
         getattr(self.xp, _UFUNC[op])(dst, src, out=dst)
+        self.sync()
 
     def divide(self, part: Any, by: int) -> None:
-        """``part /= by`` in place (``ReduceOp.AVG``)."""
+        """``part /= by`` in place (``ReduceOp.AVG``); returns once it has run."""
         self.xp.divide(part, by, out=part)
+        self.sync()
 
     def sync(self) -> None:
         """Wait for device work on the data, so a send reads finished values."""
