@@ -21,7 +21,7 @@ import ssl
 import stat
 import sys
 import warnings
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -201,7 +201,8 @@ def load(spec: str) -> Any:
                           f"{exc}") from exc
 
 
-async def serve_services(args: argparse.Namespace, until_stopped: Any) -> int:
+async def serve_services(args: argparse.Namespace,
+                         until_stopped: Callable[[], Awaitable[None]]) -> int:
     """Host the classes of ``args.services`` until ``until_stopped()`` returns."""
     from .rpc import Server, ServerConfig
     from .transports import TransportConfig
@@ -314,6 +315,9 @@ async def _stdin_lines() -> AsyncIterator[str]:
     # A pipe or terminal, read without blocking the loop (a thread blocked
     # in read() would hold the command open after the call ended).
     reader = asyncio.StreamReader()
+    # The pipe transport makes the descriptor non-blocking, and a duplicate
+    # shares that with the shell's terminal: set it back when done.
+    blocking = os.get_blocking(fd)
     transport, _ = await asyncio.get_running_loop().connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(fd), "rb"))
     try:
@@ -321,6 +325,7 @@ async def _stdin_lines() -> AsyncIterator[str]:
             yield line.decode()
     finally:
         transport.close()
+        os.set_blocking(fd, blocking)
 
 
 def _jsonable(value: Any) -> Any:

@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     _cli_rpc.add_client_options(ls)
 
     bench = add_parser("bench", help="size sweeps: transport, RPC, allreduce, "
-                                              "parameter server")
+                                     "parameter server")
     bench.add_argument("what", choices=["p2p", "rpc", "allreduce", "ps"])
     bench.add_argument("--sizes", help="bytes, e.g. 8,1K,4M (default 8 B to 64 MiB)")
     bench.add_argument("--listen", action="append", metavar="URL",
@@ -135,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
 
     launch = add_parser("launch", help="run N local ranks of a program with the "
-                                                "environment Group.from_env() reads")
+                                       "environment Group.from_env() reads")
     launch.add_argument("-n", "--nproc", type=int, required=True, help="how many ranks")
     launch.add_argument("--listen", metavar="URL",
                         help="the ranks' data transport (default tcp://0.0.0.0:0)")

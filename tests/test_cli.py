@@ -47,6 +47,46 @@ def test_info() -> None:
     assert set(facts) >= {"versions", "transports", "ucx", "gpus"}
 
 
+def test_info_for_a_bug_report(tmp_path: Path) -> None:
+    # A ucx_info of another UCX first on PATH (a system UCX 1.13 beside the
+    # wheel's): its devices are not the loaded library's.
+    fake = tmp_path / "ucx_info"
+    fake.write_text("#!/bin/sh\necho '# Library version: 1.13.0'\n"
+                    "echo '#      Transport: rc_verbs'\necho '#         Device: mlx5_0:1'\n")
+    fake.chmod(0o755)
+    env = {**ENV, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+           "UCX_TLS": "tcp,self", "TENSORWIRE_SECRET": "hunter2hunter2"}
+    result = subprocess.run([*COMMAND, "info", "--json"], capture_output=True, text=True,
+                            env=env, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["os"] and facts["executable"] == sys.executable
+    assert facts["environment"]["UCX_TLS"] == "tcp,self"
+    assert facts["environment"]["TENSORWIRE_SECRET"] == "(set, not shown)"
+    # ucxx sets UCX_* variables of its own when imported: not the user's.
+    assert "UCX_MEMTYPE_CACHE" not in facts["environment"]
+    assert set(facts["cuda"]) >= {"driver", "driver_cuda", "runtimes"}
+    assert isinstance(facts["gpus"], list)
+    if facts["transports"]["ucx"]["usable"]:
+        assert Path(facts["ucx"]["library"]).name.startswith("libucp.so")
+        assert facts["ucx"].get("ucx_info") != str(fake)
+        assert "rc_verbs" not in facts["ucx"].get("devices", {})
+    text = subprocess.run([*COMMAND, "info"], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=60).stdout
+    assert "  UCX_TLS=tcp,self" in text and "hunter2" not in text
+    assert re.search(r"^os: +\S", text, re.M) and "CUDA driver: " in text
+
+
+def test_demo_without_scikit_learn_names_the_extra() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['sklearn'] = None; "
+         "from tensorwire.cli import main; sys.exit(main(['demo']))"],
+        capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("tensorwire: error: the demo needs scikit-learn for its "
+                                     "data set: pip install 'tensorwire[demo]'")
+
+
 @contextlib.contextmanager
 def serving(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> Iterator[str]:
     """``tensorwire serve ARGS`` in a child process; yields the address it got."""
