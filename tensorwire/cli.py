@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     # Every subcommand takes the common options too.
     add_parser = functools.partial(commands.add_parser, parents=[common])
 
-    info = add_parser("info", help="versions, usable transports, UCX devices, GPUs")
+    info = add_parser("info", help="versions, OS, usable transports, UCX library and devices, "
+                                   "GPUs and CUDA, environment: for a bug report")
     info.add_argument("--json", action="store_true", help="as JSON, for machines")
 
     serve_services = add_parser("serve", help="host service classes (module:Class)")
