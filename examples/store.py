@@ -42,4 +42,5 @@ async def main():
         print(await client.call("Store.get", "w"))    # by name, without the class
     await server.close()
 
-asyncio.run(main())
+if __name__ == "__main__":      # `tensorwire serve app:Store` imports this file
+    asyncio.run(main())

@@ -18,6 +18,7 @@ import csv
 import dataclasses
 import io
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,8 +27,10 @@ from typing import Any, TextIO
 
 import numpy as np
 
-__all__ = ("Row", "format_table", "parse_sizes", "plot", "sweep_allreduce", "sweep_p2p",
-           "sweep_ps", "sweep_rpc")
+from .errors import ConfigError
+
+__all__ = ("Progress", "Row", "check_plot", "format_csv", "format_json", "format_table",
+           "parse_sizes", "plot", "sweep_allreduce", "sweep_p2p", "sweep_ps", "sweep_rpc")
 
 DEFAULT_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
@@ -67,23 +70,25 @@ def repetitions(size: int) -> int:
 
 
 class Progress:
-    """A progress bar on a terminal; silent elsewhere."""
+    """A labelled progress bar with rate and time left (tqdm) on a terminal;
+    nothing at all when ``stream`` is not one, or when not ``shown``."""
 
-    def __init__(self, total: int, stream: TextIO | None = None) -> None:
-        self.total = total
-        self.done = 0
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
+    def __init__(self, total: int, label: str, *, stream: TextIO | None = None,
+                 shown: bool = True) -> None:
+        from tqdm import tqdm
+
+        stream = stream or sys.stderr
+        # leave=False: the bar gives its line back to the table that follows.
+        self._bar = tqdm(total=total, desc=label, unit="size", file=stream, leave=False,
+                         disable=not (shown and stream.isatty()), dynamic_ncols=True)
 
     def step(self, label: str) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = int(30 * self.done / self.total)
-            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/"
-                              f"{self.total} {label:<12}")
-            if self.done == self.total:
-                self.stream.write("\n")
-            self.stream.flush()
+        """One size done; ``label`` names it."""
+        self._bar.set_postfix_str(label, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 async def _time_round_trips(call: Callable[[], Awaitable[Any]], size: int) -> float:
@@ -219,7 +224,9 @@ async def sweep_allreduce(group: Any, sizes: Sequence[int], progress: Progress) 
     rows = []
     factor = 2 * (group.world_size - 1) / group.world_size if group.world_size > 1 else 0.0
     for size in sizes:
-        x = np.ones(max(size // 4, 1), np.float32)
+        # Zeros: a sum of ones in place doubles every round and overflows
+        # float32 (a RuntimeWarning on every rank) long before the last one.
+        x = np.zeros(max(size // 4, 1), np.float32)
         await group.barrier()
         def once(x: Any = x) -> Awaitable[Any]:
             return group.allreduce(x)  # type: ignore[no-any-return]
@@ -256,17 +263,38 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def format_json(rows: Sequence[Row]) -> str:
-    return json.dumps([dataclasses.asdict(r) for r in rows], indent=2)
+def format_json(series: Mapping[str, Sequence[Row]]) -> str:
+    """Every transport's rows as one JSON list; each row names its transport."""
+    return json.dumps([{"transport": name, **dataclasses.asdict(r)}
+                       for name, rows in series.items() for r in rows], indent=2)
 
 
-def format_csv(rows: Sequence[Row]) -> str:
+def format_csv(series: Mapping[str, Sequence[Row]]) -> str:
+    """Every transport's rows as one CSV table with a ``transport`` column."""
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow([f.name for f in dataclasses.fields(Row)])
-    for r in rows:
-        writer.writerow(dataclasses.astuple(r))
+    writer.writerow(["transport", *(f.name for f in dataclasses.fields(Row))])
+    for name, rows in series.items():
+        for r in rows:
+            writer.writerow([name, *dataclasses.astuple(r)])
     return out.getvalue()
+
+
+def check_plot(path: str) -> None:
+    """Fail before a sweep, not after it, when ``plot(..., path)`` could not write.
+
+    Raises:
+        ConfigError: matplotlib is not installed, or the folder is missing.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'tensorwire[plot]'") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--plot {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"--plot {path}: the folder {folder} is not writable")
 
 
 def plot(series: Mapping[str, Sequence[Row]], path: str) -> None:

@@ -6,6 +6,7 @@
     tensorwire serve app:Store --listen tcp://0.0.0.0:7000
     tensorwire ls tcp://host:7000                 # services and methods
     tensorwire call tcp://host:7000 Store.get '"w"'
+    tensorwire call tcp://host:7000 Store.scan prefix='"w"'   # a stream: JSON lines
     tensorwire launch -n 4 train.py --epochs 3    # local ranks, torchrun-style
     tensorwire ps serve --listen tcp://0.0.0.0:7000 --checkpoint-dir /ckpt/shard0
     tensorwire demo
@@ -21,11 +22,11 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import importlib
+import functools
 import json
 import logging
 import os
-import runpy
+import platform
 import signal
 import sys
 import traceback
@@ -33,6 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import _cli_rpc
+from ._version import __version__
 from .errors import (
     ConfigError,
     ConnectionClosedError,
@@ -40,46 +43,81 @@ from .errors import (
     RemoteError,
     TensorwireError,
     TransportError,
+    Unauthenticated,
     Unavailable,
     UnsupportedTransportError,
 )
 
 __all__ = ("main",)
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "ps_train.py"
+#: Exit status after the reader of standard output went away (``| head``):
+#: 128 + SIGPIPE, what the shell reports for a command the signal ended.
+_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tensorwire", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default=os.environ.get("TENSORWIRE_LOG", "WARNING"),
+def _add_common_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """``--log-level`` and ``--verbose``, before the command or after it.
+
+    After it (``defaults=False``) they default to SUPPRESS, so that a
+    subcommand's parser leaves what the top level parsed alone.
+    """
+    parser.add_argument("--log-level", metavar="LEVEL",
+                        default=(os.environ.get("TENSORWIRE_LOG", "WARNING") if defaults
+                                 else argparse.SUPPRESS),
                         help="logging level (DEBUG, INFO, WARNING, ...; default: "
                              "$TENSORWIRE_LOG or WARNING)")
     parser.add_argument("--verbose", action="store_true",
+                        default=False if defaults else argparse.SUPPRESS,
                         help="show the traceback of an error, not only its line")
-    commands = parser.add_subparsers(dest="command", required=True)
 
-    info = commands.add_parser("info", help="versions, usable transports, UCX devices, GPUs")
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tensorwire",
+        description="tensorwire: asyncio RPC for distributed training. Show what a machine "
+                    "can use, host and call services, launch ranks, measure links.")
+    parser.add_argument("--version", action="version",
+                        version=f"tensorwire {__version__} (Python "
+                                f"{platform.python_version()}, {sys.executable})")
+    _add_common_options(parser, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common_options(common, defaults=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    # Every subcommand takes the common options too.
+    add_parser = functools.partial(commands.add_parser, parents=[common])
+
+    info = add_parser("info", help="versions, OS, usable transports, UCX library and devices, "
+                                   "GPUs and CUDA, environment: for a bug report")
     info.add_argument("--json", action="store_true", help="as JSON, for machines")
 
-    serve_services = commands.add_parser("serve", help="host service classes (module:Class)")
+    serve_services = add_parser("serve", help="host service classes (module:Class)")
     serve_services.add_argument("services", nargs="+", metavar="MODULE:CLASS",
                                 help="classes to host, each made with no arguments")
     serve_services.add_argument("--listen", action="append", metavar="URL",
                                 help="address to listen on (repeatable; default "
                                      "tcp://127.0.0.1:0)")
+    _cli_rpc.add_server_options(serve_services)
 
-    call = commands.add_parser("call", help="call a method with JSON arguments, print the "
-                                            "result as JSON")
+    call = add_parser("call", help="call a method with JSON arguments; print the result as "
+                                   "JSON, a stream's items as JSON lines")
     call.add_argument("address", metavar="URL")
     call.add_argument("method", metavar="SERVICE.METHOD")
-    call.add_argument("args", nargs="*", metavar="JSON", help='e.g. \'"key"\' 3 \'[1, 2]\'')
-    call.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    call.add_argument("args", nargs="*", metavar="ARG",
+                      help="an argument as JSON (\"text\", 3, [1, 2]); NAME=JSON for a "
+                           "keyword argument; @ for a stream of JSON lines from standard "
+                           "input")
+    call.add_argument("--kwargs", metavar="OBJECT",
+                      help='keyword arguments as one JSON object, e.g. {"key": "w"}')
+    call.add_argument("--timeout", type=float, default=30.0,
+                      help="the call's deadline in seconds (default 30; inf: none)")
+    _cli_rpc.add_client_options(call)
 
-    ls = commands.add_parser("ls", help="list a server's services and methods")
+    ls = add_parser("ls", help="list a server's services and methods")
     ls.add_argument("address", metavar="URL")
+    _cli_rpc.add_client_options(ls)
 
-    bench = commands.add_parser("bench", help="size sweeps: transport, RPC, allreduce, "
-                                              "parameter server")
+    bench = add_parser("bench", help="size sweeps: transport, RPC, allreduce, "
+                                     "parameter server")
     bench.add_argument("what", choices=["p2p", "rpc", "allreduce", "ps"])
     bench.add_argument("--sizes", help="bytes, e.g. 8,1K,4M (default 8 B to 64 MiB)")
     bench.add_argument("--listen", action="append", metavar="URL",
@@ -97,8 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="PNG", help="draw bandwidth and latency to this file")
     bench.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
 
-    launch = commands.add_parser("launch", help="run N local ranks of a program with the "
-                                                "environment Group.from_env() reads")
+    launch = add_parser("launch", help="run N local ranks of a program with the "
+                                       "environment Group.from_env() reads")
     launch.add_argument("-n", "--nproc", type=int, required=True, help="how many ranks")
     launch.add_argument("--listen", metavar="URL",
                         help="the ranks' data transport (default tcp://0.0.0.0:0)")
@@ -108,9 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("program", help="a .py file (run with this Python) or a command")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
 
-    ps = commands.add_parser("ps", help="parameter server")
+    ps = add_parser("ps", help="parameter server")
     ps_commands = ps.add_subparsers(dest="ps_command", required=True)
-    serve = ps_commands.add_parser("serve", help="run one parameter-server shard")
+    serve = ps_commands.add_parser("serve", help="run one parameter-server shard",
+                                   parents=[common])
     serve.add_argument("--listen", action="append", required=True, metavar="URL",
                        help="address to listen on (repeatable), e.g. tcp://0.0.0.0:7000")
     serve.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
@@ -121,9 +160,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="checkpoint after this many applied pushes")
     serve.add_argument("--keep", type=int, default=2, help="checkpoint files to keep")
 
-    commands.add_parser("demo", help="train a classifier through the parameter server "
-                                     "(2 shards, 3 worker processes); other options go to "
-                                     "examples/ps_train.py (tensorwire demo --help-demo)")
+    add_parser("demo", help="train a classifier through the parameter server (2 shards, 3 "
+                            "worker processes); other options go to the demo (tensorwire "
+                            "demo --help-demo lists them)")
     return parser
 
 
@@ -161,78 +200,6 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(spec: str) -> Any:
-    """``module:Class`` -> an instance, importing from the working directory too."""
-    module_name, sep, class_name = spec.partition(":")
-    if not sep or not module_name or not class_name:
-        raise ConfigError(f"expected MODULE:CLASS, got {spec!r}")
-    sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name!r}: {exc}") from exc
-    try:
-        cls = getattr(module, class_name)
-    except AttributeError:
-        raise ConfigError(f"module {module_name!r} has no {class_name!r}") from None
-    return cls()
-
-
-async def _serve_services(args: argparse.Namespace) -> int:
-    from .rpc import Server
-
-    server = Server([_load(spec) for spec in args.services])
-    for address in await server.start(*(args.listen or ["tcp://127.0.0.1:0"])):
-        print(f"listening on {address}", flush=True)
-    await _until_stopped()
-    # Calls in flight get the server's shutdown grace; new ones are refused.
-    await server.close()
-    return 0
-
-
-def _jsonable(value: Any) -> Any:
-    import numpy as np
-
-    if isinstance(value, np.ndarray):
-        if value.size <= 64:
-            return value.tolist()
-        return {"array": str(value.dtype), "shape": list(value.shape),
-                "first": value.ravel()[:8].tolist()}
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, bytes | bytearray | memoryview):
-        return {"bytes": len(value)}
-    return repr(value)
-
-
-async def _call(args: argparse.Namespace) -> int:
-    from .rpc import connect
-
-    try:
-        values = [json.loads(text) for text in args.args]
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"arguments must be JSON ({exc}); quote strings: '\"text\"'") from None
-    async with connect(args.address, timeout=args.timeout) as client:
-        result = await client.call(args.method, *values, timeout=args.timeout)
-    print(json.dumps(result, default=_jsonable, indent=2))
-    return 0
-
-
-async def _ls(args: argparse.Namespace) -> int:
-    from .rpc import connect
-
-    async with connect(args.address) as client:
-        services = await client.services()
-    for service in services:
-        print(service["name"] + (f"  -- {service['doc'].splitlines()[0]}"
-                                 if service["doc"] else ""))
-        for method in service["methods"]:
-            kind = " (stream)" if method["streaming"] else ""
-            doc = f"  -- {method['doc'].splitlines()[0]}" if method["doc"] else ""
-            print(f"  {method['name']}{method['signature']}{kind}{doc}")
-    return 0
-
-
 def _bench_urls(args: argparse.Namespace) -> list[str]:
     if args.listen:
         return list(args.listen)
@@ -264,39 +231,51 @@ def _bench(args: argparse.Namespace) -> int:
             asyncio.run(serve(_bench_urls(args)[0],
                               lambda address: print(f"listening on {address}", flush=True)))
         return 0
+    if args.plot:
+        _bench.check_plot(args.plot)
     series: dict[str, list[_bench.Row]] = {}
     if args.connect:
         series[args.connect] = asyncio.run(_bench_sweep(args.what, args.connect, sizes))
     else:
-        for url in _bench_urls(args):
-            scheme = url.partition("://")[0]
-            series[f"{scheme}://"] = _bench_local(args, url, sizes)
-    for name, rows in series.items():
-        if args.json:
-            print(_bench.format_json(rows))
-        elif args.csv:
-            print(_bench.format_csv(rows), end="")
-        else:
+        urls = _bench_urls(args)
+        schemes = [f"{url.partition('://')[0]}://" for url in urls]
+        for url, scheme in zip(urls, schemes, strict=True):
+            # Named by scheme, or by address where two share one.
+            series[scheme if schemes.count(scheme) == 1 else url] = _bench_local(args, url,
+                                                                                sizes)
+    _print_bench(args, series)
+    if args.plot:
+        _bench.plot(series, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _print_bench(args: argparse.Namespace, series: dict[str, list[Any]]) -> None:
+    """All transports' figures: one JSON document, one CSV table, or a table each."""
+    from . import _bench
+
+    if args.json:
+        print(_bench.format_json(series))
+    elif args.csv:
+        print(_bench.format_csv(series), end="")
+    else:
+        for name, rows in series.items():
             extra = f", {args.nproc} ranks" if args.what == "allreduce" else ""
             print(f"# {args.what} over {name}{extra}")
             print(_bench.format_table(rows))
-    if args.plot:
-        try:
-            _bench.plot(series, args.plot)
-        except ImportError:
-            raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
 
 
 async def _bench_sweep(what: str, address: str, sizes: list[int]) -> list[Any]:
     from . import _bench
 
-    progress = _bench.Progress(len(sizes))
-    if what == "ps":
-        return await _bench.sweep_ps(address.split(","), sizes, progress)
-    sweep = _bench.sweep_p2p if what == "p2p" else _bench.sweep_rpc
-    return await sweep(address, sizes, progress)
+    progress = _bench.Progress(len(sizes), f"{what} {address}")
+    try:
+        if what == "ps":
+            return await _bench.sweep_ps(address.split(","), sizes, progress)
+        sweep = _bench.sweep_p2p if what == "p2p" else _bench.sweep_rpc
+        return await sweep(address, sizes, progress)
+    finally:
+        progress.close()
 
 
 def _bench_local(args: argparse.Namespace, url: str, sizes: list[int]) -> list[Any]:
@@ -313,7 +292,7 @@ def _bench_local(args: argparse.Namespace, url: str, sizes: list[int]) -> list[A
 
         out = io.StringIO()
         result = asyncio.run(launch(
-            [sys.executable, "-m", "tensorwire", "bench", "allreduce", "--as-rank", "--json",
+            [sys.executable, "-m", "tensorwire", "bench", "allreduce", "--as-rank",
              "--sizes", sizes_arg], args.nproc, listen=url, output=out))
         if result.exit_code != 0:
             raise TensorwireError(f"the allreduce ranks failed:\n{out.getvalue()[-2000:]}")
@@ -353,14 +332,22 @@ async def _bench_rank(args: argparse.Namespace, sizes: list[int]) -> int:
 
     group = await Group.from_env()
     try:
-        progress = _bench.Progress(len(sizes))
-        progress.enabled = progress.enabled and group.rank == 0
-        rows = await _bench.sweep_allreduce(group, sizes, progress)
+        progress = _bench.Progress(len(sizes), f"allreduce, {group.world_size} ranks",
+                                   shown=group.rank == 0)
+        try:
+            rows = await _bench.sweep_allreduce(group, sizes, progress)
+        finally:
+            progress.close()
     finally:
         await group.close()
-    if group.rank == 0:
-        print(json.dumps([dataclasses.asdict(r) for r in rows]) if args.json
-              else _bench.format_table(rows), flush=True)
+    if group.rank != 0:
+        return 0
+    if args.as_rank:  # to the command that launched the ranks (_bench_local)
+        print(json.dumps([dataclasses.asdict(r) for r in rows]), flush=True)
+    else:
+        args.nproc = group.world_size
+        listen = os.environ.get("TENSORWIRE_LISTEN", "tcp://")
+        _print_bench(args, {f"{listen.partition('://')[0]}://": rows})
     return 0
 
 
@@ -375,14 +362,19 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _hint(exc: BaseException, args: argparse.Namespace) -> str:
     address = getattr(args, "address", None)
+    text = str(exc).lower()
     if isinstance(exc, UnsupportedTransportError):
-        return "for ucx:// install the UCX bindings: pip install ucxx-cu12"
+        return ("for ucx:// install the UCX extra: pip install 'tensorwire[ucx-cu12]' "
+                "(or ucx-cu13, matching your CUDA)")
+    if isinstance(exc, Unauthenticated):
+        return "the server wants its shared secret: --secret-file FILE or --secret-env VAR"
+    if "certificate_verify_failed" in text or "certificate verify failed" in text:
+        return "trust the server's CA with --tls-ca FILE"
     if isinstance(exc, Unavailable | ConnectionClosedError):
         where = f" at {address}" if address else ""
         return f"is a tensorwire server running{where}? check the host and port"
     if isinstance(exc, NotFound) and "service" in str(exc):
         return "tensorwire ls URL lists what the server hosts"
-    text = str(exc).lower()
     if isinstance(exc, TransportError) and ("in use" in text or "cannot listen" in text
                                             or "bind" in text):
         return "the port is in use or the address is not this host's; try port 0"
@@ -405,6 +397,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, extra)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): what it took is all it wanted.
+        # Python would complain again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _BROKEN_PIPE
     except TensorwireError as exc:
         if args.verbose:
             traceback.print_exc()
@@ -420,11 +418,11 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "info":
         return _info(args)
     if args.command == "serve":
-        return asyncio.run(_serve_services(args))
+        return asyncio.run(_cli_rpc.serve_services(args, _until_stopped))
     if args.command == "call":
-        return asyncio.run(_call(args))
+        return asyncio.run(_cli_rpc.call(args))
     if args.command == "ls":
-        return asyncio.run(_ls(args))
+        return asyncio.run(_cli_rpc.ls(args))
     if args.command == "launch":
         return _launch(args)
     if args.command == "bench":
@@ -433,9 +431,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_serve(args))
         return 0
-    if not DEMO.exists():
-        print(f"the demo ships with the source checkout; {DEMO} is missing", file=sys.stderr)
-        return 1
-    sys.argv = [str(DEMO), *("--help" if a == "--help-demo" else a for a in extra)]
-    runpy.run_path(str(DEMO), run_name="__main__")
+    from . import demo
+
+    demo.main(["--help" if a == "--help-demo" else a for a in extra], prog="tensorwire demo")
     return 0

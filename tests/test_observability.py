@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,8 +16,6 @@ from tensorwire.metrics import prometheus_text, serve_metrics
 from tensorwire.timeline import Timeline
 
 from .rpc.services import Store
-
-SAMPLE = re.compile(r'^[a-z0-9_]+\{source="[^"]*",name="[^"]*"\} [0-9.e+-]+$')
 
 
 async def test_collective_metrics_and_timeline(tmp_path: Path) -> None:
@@ -64,47 +62,105 @@ def test_timeline_is_bounded() -> None:
     assert timeline.events[1]["args"] == {"i": 1, "extra": True}
 
 
+def _families(text: str) -> dict[str, Any]:
+    """The text as prometheus_client's own parser reads it, by family name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _value(family: Any, sample: str, **labels: str) -> float:
+    (found,) = [s.value for s in family.samples if s.name == sample and s.labels == labels]
+    return float(found)
+
+
 async def test_prometheus_text_and_endpoint() -> None:
     server = tw.Server([Store()])
     (address,) = await server.start("tcp://127.0.0.1:0")
     async with tw.connect(address) as client:
         await client.call("Store.put", "k", np.arange(4))
         await client.call("Store.get", "k")
+        with pytest.raises(tw.errors.NotFound):
+            await client.call("Store.get", "nothing")
         text = prometheus_text({"rpc_server": server.metrics, "rpc_client": client.metrics,
                                 "server_transport": server.transport_stats,
                                 "client_transport": client.transport_stats})
+        families = _families(text)
         ((peer, stats),) = client.transport_stats().items()
-        # The RPC handshake's message each way, then the two calls.
-        assert peer == address and stats["messages_sent"] == stats["messages_received"] == 3
-        assert (f'tensorwire_transport_messages_sent_total{{source="client_transport",'
-                f'name="{address}"}} 3') in text
-        assert 'tensorwire_calls_total{source="rpc_server",name="Store.get"} 1' in text
-        assert 'tensorwire_calls_total{source="rpc_client",name="Store.put"} 1' in text
-        assert 'tensorwire_latency_p99_seconds{source="rpc_server",name="Store.get"} ' in text
-        for line in text.splitlines():
-            assert line.startswith("# ") or SAMPLE.match(line), line
+        # The RPC handshake's message each way, then the three calls.
+        assert peer == address and stats["messages_sent"] == stats["messages_received"] == 4
+        sent = families["tensorwire_transport_messages_sent"]
+        assert sent.type == "counter"
+        assert _value(sent, "tensorwire_transport_messages_sent_total",
+                      source="client_transport", name=address) == 4
+        calls = families["tensorwire_calls"]
+        assert calls.type == "counter"
+        assert _value(calls, "tensorwire_calls_total", source="rpc_server", name="Store.get") == 2
+        assert _value(calls, "tensorwire_calls_total", source="rpc_client", name="Store.put") == 1
+        assert _value(families["tensorwire_errors"], "tensorwire_errors_total",
+                      source="rpc_client", name="Store.get") == 1
+        put = client.metrics()["Store.put"]
+        assert _value(families["tensorwire_bytes_out"], "tensorwire_bytes_out_total",
+                      source="rpc_client", name="Store.put") == put["bytes_out"] > 32
+        # Latency: a histogram whose buckets grow with their bound and end in
+        # +Inf at the count of calls, its sum the sum of the latencies.
+        latency = families["tensorwire_latency_seconds"]
+        assert latency.type == "histogram"
+        labels = {"source": "rpc_client", "name": "Store.get"}
+        buckets = [(float(s.labels["le"]), s.value) for s in latency.samples
+                   if s.name.endswith("_bucket") and s.labels.items() > labels.items()]
+        assert len(buckets) == 37 and buckets[-1] == (float("inf"), 2)
+        assert [b for b, _ in buckets] == sorted(b for b, _ in buckets)
+        assert [n for _, n in buckets] == sorted(n for _, n in buckets)
+        assert buckets[0][1] == 0 and buckets[-2][1] == 2  # a call takes over 1.8 µs
+        assert _value(latency, "tensorwire_latency_seconds_count", **labels) == 2
+        assert 0 < _value(latency, "tensorwire_latency_seconds_sum", **labels) < 10
+        assert _value(latency, "tensorwire_latency_seconds_sum", **labels) == pytest.approx(
+            client.metrics()["Store.get"]["seconds"])
         async with await serve_metrics("127.0.0.1", 0, {"rpc_server": server.metrics}) as endpoint:
             host, port = endpoint.address.removeprefix("http://").split("/")[0].split(":")
             status, body = await fetch(host, int(port), "/metrics")
-            assert status == "HTTP/1.1 200 OK"
-            assert 'name="Store.put"} 1' in body
+            assert status.endswith(" 200 OK")
+            served = _families(body)
+            assert _value(served["tensorwire_calls"], "tensorwire_calls_total",
+                          source="rpc_server", name="Store.put") == 1
             await client.call("Store.put", "k", 1)
             _, again = await fetch(host, int(port), "/metrics")
-            assert 'tensorwire_calls_total{source="rpc_server",name="Store.put"} 2' in again
-            status, _ = await fetch(host, int(port), "/")
-            assert status == "HTTP/1.1 404 Not Found"
+            assert _value(_families(again)["tensorwire_calls"], "tensorwire_calls_total",
+                          source="rpc_server", name="Store.put") == 2
+            assert "rpc_client" not in again
+            endpoint.sources["rpc_client"] = client.metrics  # read anew at every scrape
+            _, more = await fetch(host, int(port), "/metrics")
+            assert _value(_families(more)["tensorwire_calls"], "tensorwire_calls_total",
+                          source="rpc_client", name="Store.put") == 2
     await server.close()
 
 
-async def fetch(host: str, port: int, path: str) -> tuple[str, str]:
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-    await writer.drain()
-    response = (await reader.read()).decode()
-    writer.close()
-    await writer.wait_closed()
-    head, _, body = response.partition("\r\n\r\n")
-    return head.splitlines()[0], body
+def test_histograms_of_two_processes_add_up() -> None:
+    # What percentiles cannot do: Prometheus sums the buckets of processes.
+    from tensorwire._metrics import HISTOGRAM_EDGES, Metrics
+
+    first, second, both = Metrics(), Metrics(), Metrics()
+    for seconds in (3e-6, 2e-4, 2e-4, 0.5):
+        first["op"].observe(seconds, False)
+        both["op"].observe(seconds, False)
+    for seconds in (1e-5, 0.5, 2000.0):
+        second["op"].observe(seconds, False)
+        both["op"].observe(seconds, False)
+    # An observation on an edge counts in that edge's bucket (le: at most).
+    first["op"].observe(HISTOGRAM_EDGES[3], False)
+    both["op"].observe(HISTOGRAM_EDGES[3], False)
+
+    def buckets(metrics: Metrics) -> dict[str, float]:
+        families = _families(prometheus_text({"p": metrics.snapshot}))
+        return {s.labels["le"]: s.value for s in families["tensorwire_latency_seconds"].samples
+                if s.name.endswith("_bucket")}
+
+    one, two, total = buckets(first), buckets(second), buckets(both)
+    assert {le: one[le] + two[le] for le in total} == total
+    assert total["+Inf"] == 8 and total["1000"] == 7  # 2000 s: past the last bound
+    le = f"{HISTOGRAM_EDGES[3]:.6g}"
+    assert one[le] == 2  # 3 µs and the one on the edge
 
 
 async def test_rpc_and_parameter_server_spans() -> None:
@@ -141,3 +197,15 @@ async def test_rpc_and_parameter_server_spans() -> None:
     assert [(e["name"], e["args"]["clock"]) for e in worker_side.events] == [
         ("push", 0), ("pull", 1), ("push_pull", 1)]
     assert all(e["cat"] == "ps" and e["dur"] > 0 for e in worker_side.events)
+
+
+async def fetch(host: str, port: int, path: str) -> tuple[str, str]:
+    """GET over a bare socket: the status line and the body."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    response = (await reader.read()).decode()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = response.partition("\r\n\r\n")
+    return head.splitlines()[0], body

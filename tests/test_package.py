@@ -1,12 +1,21 @@
-"""The package as a whole: public names, and no side effects on import."""
+"""The package as a whole: public names, no side effects on import, packaging."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.metadata
+import importlib.util
 import json
+import re
+import shutil
 import subprocess
 import sys
+import tomllib
 import types
+import zipfile
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +74,83 @@ def test_import_has_no_side_effects() -> None:
                          check=True, timeout=60)
     facts = json.loads(out.stdout)
     assert facts == {"optional": [], "threads": 1, "env_changed": False}
+
+
+# -- packaging: extras, the wheel, pip check -----------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _project() -> dict[str, Any]:
+    project: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project
+
+
+def test_ucx_is_an_extra_per_cuda_major() -> None:
+    project = _project()
+    extras = project["optional-dependencies"]
+    assert not any("ucxx" in r or "prometheus" in r or "scikit" in r
+                   for r in project["dependencies"])
+    assert [r.split(">=")[0] for r in extras["ucx-cu12"]] == ["ucxx-cu12"]
+    assert [r.split(">=")[0] for r in extras["ucx-cu13"]] == ["ucxx-cu13"]
+    assert extras["ucx"] == extras["ucx-cu12"]
+    # The tests cover ucx://, the endpoint, the demo and --plot.
+    (own,) = [r for r in extras["dev"] if r.startswith("tensorwire[")]
+    assert set(own.removeprefix("tensorwire[").removesuffix("]").split(",")) >= {
+        "ucx", "metrics", "demo", "plot"}
+
+
+def _torch_cuda_major() -> str | None:
+    """The CUDA major torch was built for, from torch/version.py (no import)."""
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.submodule_search_locations
+    text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    found = re.search(r"^cuda\b.*?=\s*['\"]?([\w.]+)", text, re.M)
+    return None if found is None or found.group(1) == "None" else found.group(1).split(".")[0]
+
+
+def test_pip_check_is_clean_with_torch_and_the_matching_ucx_extra() -> None:
+    try:
+        importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("torch is not installed")
+    installed = []
+    for major in ("12", "13"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.version(f"ucxx-cu{major}")
+            installed.append(major)
+    if not installed:
+        pytest.skip("no UCX extra installed")
+    cuda = _torch_cuda_major()
+    if cuda is not None:  # a CPU build goes with either
+        assert installed == [cuda], f"torch is built for CUDA {cuda}: take ucx-cu{cuda}"
+    check = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True,
+                           text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_wheel_holds_the_demo_license_and_extras(tmp_path: Path) -> None:
+    # Built from a copy: a build leaves build/ and *.egg-info where it runs.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
+        ".hypothesis"))
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--quiet", "--wheel-dir", str(tmp_path), str(source)],
+        capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("tensorwire-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        text = archive.read(metadata).decode()
+    assert "tensorwire/demo.py" in names and "tensorwire/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert "License-Expression: Apache-2.0" in text
+    assert "Classifier: Development Status :: 4 - Beta" in text
+    assert "Classifier: Programming Language :: Python :: 3.11" in text
+    for extra in ("ucx", "ucx-cu12", "ucx-cu13", "metrics", "demo", "plot", "dev"):
+        assert f"Provides-Extra: {extra}\n" in text
+    requires = [line for line in text.splitlines() if line.startswith("Requires-Dist: ucxx")]
+    assert requires and all("extra ==" in line for line in requires)
