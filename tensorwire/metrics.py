@@ -5,7 +5,8 @@ Every metrics source in tensorwire returns the same shape of dict,
 histogram}}``: ``Server.metrics()`` and ``Client.metrics()`` per RPC method,
 ``Group.metrics()`` per collective operation, ``PSClient.metrics()`` per
 push, pull and push_pull. Connection counters have their own shape,
-``{peer: {messages_sent, messages_received, bytes_sent, bytes_received}}``
+``{peer: {messages_sent, messages_received, bytes_sent, bytes_received,
+device_bytes_staged}}``
 (``Server.transport_stats()``, ``Client.transport_stats()``), and become
 ``tensorwire_transport_*`` metrics. Give them names and serve::
 
@@ -52,6 +53,8 @@ _TRANSPORT = (
     ("bytes_sent", "tensorwire_transport_bytes_sent_total", "Bytes sent on the transport."),
     ("bytes_received", "tensorwire_transport_bytes_received_total",
      "Bytes received on the transport."),
+    ("device_bytes_staged", "tensorwire_transport_device_bytes_staged_total",
+     "Bytes of CUDA frames copied through host memory (a transport without device support)."),
 )
 #: Seconds an endpoint's scrape waits for the event loop to read the sources.
 _READ_TIMEOUT = 10.0

@@ -93,6 +93,10 @@ async def test_prometheus_text_and_endpoint() -> None:
         assert sent.type == "counter"
         assert _value(sent, "tensorwire_transport_messages_sent_total",
                       source="client_transport", name=address) == 4
+        # Host arrays only: no device frame went through host memory.
+        assert _value(families["tensorwire_transport_device_bytes_staged"],
+                      "tensorwire_transport_device_bytes_staged_total",
+                      source="client_transport", name=address) == 0
         calls = families["tensorwire_calls"]
         assert calls.type == "counter"
         assert _value(calls, "tensorwire_calls_total", source="rpc_server", name="Store.get") == 2

@@ -94,6 +94,10 @@ def test_ucx_is_an_extra_per_cuda_major() -> None:
     assert [r.split(">=")[0] for r in extras["ucx-cu12"]] == ["ucxx-cu12"]
     assert [r.split(">=")[0] for r in extras["ucx-cu13"]] == ["ucxx-cu13"]
     assert extras["ucx"] == extras["ucx-cu12"]
+    # CuPy likewise, for the same CUDA major as the UCX extra beside it.
+    assert [r.split(">=")[0] for r in extras["gpu-cu12"]] == ["cupy-cuda12x"]
+    assert [r.split(">=")[0] for r in extras["gpu-cu13"]] == ["cupy-cuda13x"]
+    assert extras["gpu"] == extras["gpu-cu12"]
     # The tests cover ucx://, the endpoint, the demo and --plot.
     (own,) = [r for r in extras["dev"] if r.startswith("tensorwire[")]
     assert set(own.removeprefix("tensorwire[").removesuffix("]").split(",")) >= {
