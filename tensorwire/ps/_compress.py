@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeAlias
 import numpy as np
 
 from ..errors import ConfigError, InvalidArgument
+from ._arrays import array_module
 
 __all__ = (
     "BF16",
@@ -80,7 +81,9 @@ class NoCompression(Compressor):
 
     @staticmethod
     def decompress(payload: Payload, size: int, dtype: np.dtype[Any]) -> Array:
-        return np.asarray(payload["data"]).astype(dtype, copy=False)
+        data = payload["data"]
+        grad: Array = array_module(data).asarray(data).astype(dtype, copy=False)
+        return grad
 
 
 class FP16(Compressor):
@@ -406,10 +409,10 @@ def decompress(payload: Payload, size: int, dtype: np.dtype[Any]) -> Array:
         flat = decoder(payload, size, dtype)
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"bad {codec} payload: {exc}") from None
-    flat = np.asarray(flat).reshape(-1)
-    if flat.size != size:
-        raise InvalidArgument(f"{codec} payload has {flat.size} elements, the chunk {size}")
-    return flat
+    grad: Array = array_module(flat).asarray(flat).reshape(-1)  # host or device, as it came
+    if grad.size != size:
+        raise InvalidArgument(f"{codec} payload has {grad.size} elements, the chunk {size}")
+    return grad
 
 
 class ErrorFeedback:

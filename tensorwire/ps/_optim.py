@@ -1,6 +1,7 @@
 """Server-side update rules: SGD, Adam, Adagrad, or pure aggregation.
 
-Pure NumPy, no I/O. The formulas are PyTorch's (``torch.optim.SGD``,
+Pure array arithmetic, no I/O, with the module of the chunk (NumPy, or CuPy
+for a chunk on the GPU). The formulas are PyTorch's (``torch.optim.SGD``,
 ``Adam``, ``Adagrad`` with their default flags), so a model trained through
 the parameter server behaves like the same model trained in one process.
 
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import ConfigError
+from ._arrays import array_module
 
 __all__ = ("SGD", "Adagrad", "Adam", "Aggregate", "Optimizer", "optimizer_from_wire")
 
@@ -40,7 +42,8 @@ def _scaled(grad: Array, scale: float, dtype: np.dtype[Any]) -> Array:
     """``scale * grad`` in ``dtype``; ``grad`` itself (not a copy) when scale is 1."""
     if scale == 1.0:
         return grad.astype(dtype, copy=False)
-    return np.multiply(grad, scale, dtype=dtype)
+    scaled: Array = array_module(grad).multiply(grad, scale, dtype=dtype)
+    return scaled
 
 
 class Optimizer(abc.ABC):
@@ -101,7 +104,7 @@ class SGD(Optimizer):
              scale: float = 1.0) -> tuple[Array, State]:
         if not self.momentum and not self.weight_decay:
             # The common case in two passes: p - lr * scale * grad.
-            new = np.multiply(grad, -self.lr * scale, dtype=param.dtype)
+            new = array_module(param).multiply(grad, -self.lr * scale, dtype=param.dtype)
             new += param
             return new, state
         g = _scaled(grad, scale, param.dtype)
@@ -137,7 +140,8 @@ class Adam(Optimizer):
         _check(self, "weight_decay", self.weight_decay)
 
     def init_state(self, param: Array) -> State:
-        return {"m": np.zeros_like(param), "v": np.zeros_like(param)}
+        xp = array_module(param)
+        return {"m": xp.zeros_like(param), "v": xp.zeros_like(param)}
 
     def step(self, param: Array, grad: Array, state: State, step: int, *,
              scale: float = 1.0) -> tuple[Array, State]:
@@ -148,7 +152,7 @@ class Adam(Optimizer):
         v = self.beta2 * state["v"] + (1 - self.beta2) * (g * g)
         m_hat = m / (1 - self.beta1**step)
         v_hat = v / (1 - self.beta2**step)
-        new = param - self.lr * m_hat / (np.sqrt(v_hat) + self.eps)
+        new = param - self.lr * m_hat / (array_module(param).sqrt(v_hat) + self.eps)
         return new.astype(param.dtype, copy=False), {
             "m": m.astype(param.dtype, copy=False), "v": v.astype(param.dtype, copy=False)}
 
@@ -174,7 +178,7 @@ class Adagrad(Optimizer):
         _check(self, "initial_accumulator", self.initial_accumulator)
 
     def init_state(self, param: Array) -> State:
-        return {"sum": np.full_like(param, self.initial_accumulator)}
+        return {"sum": array_module(param).full_like(param, self.initial_accumulator)}
 
     def step(self, param: Array, grad: Array, state: State, step: int, *,
              scale: float = 1.0) -> tuple[Array, State]:
@@ -182,7 +186,7 @@ class Adagrad(Optimizer):
         if self.weight_decay:
             g = g + self.weight_decay * param
         total = state["sum"] + g * g
-        new = param - self.lr * g / (np.sqrt(total) + self.eps)
+        new = param - self.lr * g / (array_module(param).sqrt(total) + self.eps)
         return new.astype(param.dtype, copy=False), {"sum": total.astype(param.dtype, copy=False)}
 
 
@@ -198,7 +202,7 @@ class Aggregate(Optimizer):
              scale: float = 1.0) -> tuple[Array, State]:
         # A copy even at scale 1: the gradient may be the received frame, or
         # over inproc:// the worker's own array, which it will reuse.
-        return np.array(_scaled(grad, scale, param.dtype), copy=True), state
+        return array_module(param).array(_scaled(grad, scale, param.dtype), copy=True), state
 
 
 _KINDS: dict[str, type[Optimizer]] = {

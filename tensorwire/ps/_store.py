@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FailedPrecondition, InvalidArgument
+from ._arrays import array_module, like, to_host
 from ._compress import Payload, decompress
 from ._consistency import Clocks, Decision
 from ._optim import State
@@ -69,7 +70,7 @@ class ShardStore:
         if len(keys) != len(values):
             raise InvalidArgument(f"{len(keys)} keys but {len(values)} values")
         for key, value in zip(keys, values, strict=True):
-            flat = np.asarray(value).reshape(-1)
+            flat = array_module(value).asarray(value).reshape(-1)  # stays on its device
             entry = self.entries.get(key)
             if entry is not None:
                 if entry.value.size != flat.size or entry.value.dtype != flat.dtype:
@@ -144,7 +145,8 @@ class ShardStore:
         for key, entry, payload in zip(keys, entries, payloads, strict=True):
             if not isinstance(payload, Mapping):
                 raise InvalidArgument(f"chunk {key!r}: payload must be a dict")
-            grads.append(decompress(dict(payload), entry.value.size, entry.value.dtype))
+            grad = decompress(dict(payload), entry.value.size, entry.value.dtype)
+            grads.append(like(grad, entry.value))  # to the chunk's side
         clocks = self.clocks
         sync = clocks.mode == "sync"
         aggregate = not self.job.optimizer.updates_parameters
@@ -164,7 +166,7 @@ class ShardStore:
             if entry.acc is None:
                 entry.acc, entry.acc_owned = grad, False
             elif entry.acc_owned:
-                np.add(entry.acc, grad, out=entry.acc)
+                array_module(entry.acc).add(entry.acc, grad, out=entry.acc)
             else:
                 entry.acc, entry.acc_owned = entry.acc + grad, True
             if clocks.record(worker, clock, key):
@@ -246,14 +248,14 @@ class ShardStore:
                 key = str(record["key"])
                 if key in self.entries:
                     continue
-                value = np.array(record["value"]).reshape(-1)  # a copy: ours to keep
+                value = _copy(record["value"]).reshape(-1)  # ours to keep
                 acc = record["acc"]
                 self.clocks.adopt(key, record["clock"])
                 self.entries[key] = _Entry(
                     value=value,
-                    state={str(k): np.array(v) for k, v in dict(record["state"]).items()},
+                    state={str(k): _copy(v) for k, v in dict(record["state"]).items()},
                     updates=int(record["updates"]),
-                    acc=None if acc is None else np.array(acc).reshape(-1),
+                    acc=None if acc is None else _copy(acc).reshape(-1),
                     acc_owned=acc is not None)
             except (KeyError, TypeError, ValueError) as exc:
                 raise InvalidArgument(f"bad chunk record: {exc!r}") from None
@@ -273,7 +275,8 @@ class ShardStore:
         """Metadata and arrays of the state a checkpoint keeps.
 
         The arrays are the store's own (never written into), so writing them
-        out from another thread is safe while the store goes on.
+        out from another thread is safe while the store goes on; chunks on
+        the GPU are copied to host memory (a restored shard holds them there).
         """
         meta: dict[str, Any] = {"job": self.job.to_wire(), "clocks": self.clocks.snapshot(),
                                 "step": self.clocks.step, "updates": self.updates,
@@ -284,9 +287,9 @@ class ShardStore:
         for index, (key, entry) in enumerate(self.entries.items()):
             meta["chunks"][key] = {"id": index, "updates": entry.updates,
                                    "state": sorted(entry.state)}
-            arrays[f"v{index}"] = entry.value
+            arrays[f"v{index}"] = to_host(entry.value)
             for name, array in entry.state.items():
-                arrays[f"s{index}.{name}"] = array
+                arrays[f"s{index}.{name}"] = to_host(array)
         return meta, arrays
 
     @classmethod
@@ -316,3 +319,9 @@ class ShardStore:
         if store.layout is not None:
             store._expect()
         return store
+
+
+def _copy(x: Any) -> Array:
+    """A copy of a received array, on the side it arrived on."""
+    copied: Array = array_module(x).array(x)
+    return copied

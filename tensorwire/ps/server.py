@@ -22,6 +22,7 @@ import numpy as np
 from .. import rpc
 from ..errors import ConfigError, FailedPrecondition, InvalidArgument
 from . import _checkpoint
+from ._arrays import array_module
 from ._compress import Payload
 from ._consistency import Decision
 from ._store import ShardStore
@@ -524,7 +525,7 @@ class _Traffic:
 
 def nbytes(value: Any) -> int:
     """The array bytes in a value (arrays inside dicts and lists)."""
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) or array_module(value) is not np:
         return int(value.nbytes)
     if isinstance(value, dict):
         return sum(nbytes(v) for v in value.values())
