@@ -453,7 +453,7 @@ async def test_compression_follows_each_shards_link_and_residuals_follow_chunks(
         (client,) = await workers(servers, 1, config=config, consistency="async",
                                   optimizer=ps.SGD(lr=1.0))
         near, far = (s.addresses[0] for s in servers)
-        client._links[far].host = "another-host"
+        client._shards.link(far).host = "another-host"
         start = await client.init(model())
         assert [client.link_class(0), client.link_class(1)] == ["local", "remote"]
         rng = np.random.default_rng(3)
