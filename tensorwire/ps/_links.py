@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from .. import rpc
-from ..errors import DeadlineExceeded, Unavailable
+from ..errors import DeadlineExceeded, PlacementMoved, Unavailable
 from ._compress import Payload
 from .config import PSConfig
-from .server import LATE, MOVED, Shard
+from .server import Shard
 
 __all__ = ("Link", "ShardLinks", "Window")
 
@@ -33,14 +33,6 @@ P = ParamSpec("P")
 # How long after the server-side wait the RPC deadline falls, so the shard's
 # DeadlineExceeded (which names the workers behind) arrives first.
 _MARGIN = 5.0
-
-
-class Moved(Exception):
-    """A shard serves a later placement version than the call used."""
-
-    def __init__(self, version: int) -> None:
-        super().__init__(version)
-        self.version = version
 
 
 class Window:
@@ -182,7 +174,7 @@ class ShardLinks:
         its chunks away.
 
         Raises:
-            Moved: the shard serves a later placement version.
+            PlacementMoved: the shard serves a later placement version.
             Unavailable: the shard stayed unreachable, or the links were closed.
             DeadlineExceeded: the shard's wait for other workers ran out.
         """
@@ -223,12 +215,15 @@ class ShardLinks:
                     # the others know where its chunks went.
                     newer = await self._newest_version(address)
                     if newer > version:
-                        raise Moved(newer) from None
+                        raise PlacementMoved(
+                            f"shard {address} is unreachable and the placement moved on to "
+                            f"version {newer}", version=newer) from None
+            except DeadlineExceeded as exc:
+                # Which shard: the wait it describes is that shard's.
+                raise DeadlineExceeded(
+                    f"shard {address}: {exc.message}", type_name=exc.type_name,
+                    remote_traceback=exc.remote_traceback, details=exc.details) from None
             else:
-                if isinstance(result, dict) and LATE in result:
-                    raise DeadlineExceeded(f"shard {address}: {result[LATE]}")
-                if isinstance(result, dict) and MOVED in result:
-                    raise Moved(int(result[MOVED]))
                 return cast(T, result)
             # A backoff between reconnection attempts, cut short by close().
             with contextlib.suppress(TimeoutError):
@@ -264,8 +259,5 @@ class ShardLinks:
                 by_clock.setdefault(last[0], []).append(key)
         for pushed, group in by_clock.items():
             seen = min(self.seen.get(k, 0) for k in group)
-            result = await shard.push(
-                self.worker, pushed, group, [self.pushed[k][1] for k in group], seen,
-                self.config.timeout, version=version or 0)
-            if isinstance(result, dict) and MOVED in result:
-                raise Moved(int(result[MOVED]))
+            await shard.push(self.worker, pushed, group, [self.pushed[k][1] for k in group],
+                             seen, self.config.timeout, version=version or 0)

@@ -27,11 +27,12 @@ from ..errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
+    PlacementMoved,
 )
 from . import _rebalance, _reshard
 from ._compress import CompressionSpec, ErrorFeedback, Payload, compressor_for
 from ._consistency import Mode
-from ._links import Moved, ShardLinks
+from ._links import ShardLinks
 from ._optim import Optimizer
 from ._placement import (
     Chunk,
@@ -630,12 +631,14 @@ class PSClient:
             tasks = [asyncio.ensure_future(self._send(b, method, clock, data, version,
                                                       order is not None))
                      for b in batches]
-            moved = 0
+            moved: int | None = None
             try:
                 for next_done in asyncio.as_completed(tasks):
-                    batch, result = await next_done
-                    if isinstance(result, Moved):
-                        moved = max(moved, result.version)
+                    try:
+                        batch, result = await next_done
+                    except PlacementMoved as exc:
+                        # Sent again under the placement the shards moved on to.
+                        moved = max(moved or 0, exc.version)
                         continue
                     values = result if isinstance(result, list) else [None] * len(batch.keys)
                     results.update(zip(batch.keys, values, strict=True))
@@ -645,7 +648,7 @@ class PSClient:
                 for task in tasks:
                     task.cancel()
                 raise
-            if not moved:
+            if moved is None:
                 return results
             await _reshard.refresh(self, moved)
 
@@ -653,7 +656,8 @@ class PSClient:
                     version: int, fifo: bool) -> tuple[_Batch, Any]:
         address = self.addresses[batch.shard] if version == self.version else None
         if address is None:
-            return batch, Moved(self.version)
+            raise PlacementMoved(f"worker {self.worker} moved on from placement version "
+                                 f"{version} to {self.version}", version=self.version)
         shards = self._shards
         link = shards.link(address)
         wait = self.config.timeout
@@ -668,27 +672,24 @@ class PSClient:
             if items:
                 self._metrics[method].bytes_out += nbytes(items)
             with link.timing():
-                try:
-                    result: Any
-                    if method == "init":
-                        values = ([data[c.name][c.start:c.stop] for c in batch.chunks]
-                                  if self.worker == 0 else [])
-                        result = await shards.call(
-                            address, Shard.init, self.job.to_wire(), self.worker, keys, values,
-                            [c.size for c in batch.chunks], wait, version=version)
-                    elif method == "pull":
-                        result = await shards.read(address, (keys, clock), Shard.pull,
-                                                   self.worker, clock, keys, wait,
-                                                   version=version)
-                    elif method == "push":
-                        result = await shards.call(address, Shard.push, self.worker, clock,
-                                                   keys, items, seen, wait, version=version)
-                    else:
-                        result = await shards.read(address, (keys, clock), Shard.push_pull,
-                                                   self.worker, clock, keys, items, seen, wait,
-                                                   version=version)
-                except Moved as moved:
-                    return batch, moved
+                result: Any
+                if method == "init":
+                    values = ([data[c.name][c.start:c.stop] for c in batch.chunks]
+                              if self.worker == 0 else [])
+                    result = await shards.call(
+                        address, Shard.init, self.job.to_wire(), self.worker, keys, values,
+                        [c.size for c in batch.chunks], wait, version=version)
+                elif method == "pull":
+                    result = await shards.read(address, (keys, clock), Shard.pull,
+                                               self.worker, clock, keys, wait,
+                                               version=version)
+                elif method == "push":
+                    result = await shards.call(address, Shard.push, self.worker, clock,
+                                               keys, items, seen, wait, version=version)
+                else:
+                    result = await shards.read(address, (keys, clock), Shard.push_pull,
+                                               self.worker, clock, keys, items, seen, wait,
+                                               version=version)
         if method in ("pull", "push_pull"):
             self._metrics[method].bytes_in += nbytes(result)
             read_at = clock if method == "pull" else clock + 1
