@@ -155,6 +155,7 @@ async def ring_allgather(links: Links, op: Op, flat: Flat, a: Any,
 
 
 async def doubling_allreduce(links: Links, op: Op, flat: Flat, a: Any, reduce: ReduceOp) -> None:
+    """Recursive doubling over all of ``a``, ranks beyond a power of two folded in."""
     plan = schedule.recursive_doubling(links.rank, links.world_size)
     whole = [flat.frame(a)]
     if plan.fold_to is not None:
@@ -179,6 +180,7 @@ async def doubling_allreduce(links: Links, op: Op, flat: Flat, a: Any, reduce: R
 
 async def tree_reduce(links: Links, op: Op, flat: Flat, a: Any, reduce: ReduceOp,
                        root: int) -> None:
+    """Binomial-tree reduction of ``a`` into ``root``'s ``a``."""
     parent, children = schedule.binomial_tree(links.rank, links.world_size, root)
     if children:
         scratch = flat.empty(flat.size)
@@ -191,6 +193,7 @@ async def tree_reduce(links: Links, op: Op, flat: Flat, a: Any, reduce: ReduceOp
 
 
 async def tree_broadcast(links: Links, op: Op, flat: Flat, a: Any, root: int) -> None:
+    """Binomial-tree broadcast of ``root``'s ``a``."""
     parent, children = schedule.binomial_tree(links.rank, links.world_size, root)
     if parent is not None:
         await links.recv(parent, op, 0, [flat.frame(a)])
@@ -341,6 +344,8 @@ async def hierarchical_allgather(links: Links, op: Op, flat: Flat, a: Any, count
 
 async def allreduce_flat(links: Links, o: Op, flat: Flat, reduce: ReduceOp, large: bool,
                           hier: hierarchy.Hierarchy | None) -> None:
+    """Allreduce ``flat`` in place: by ``hier``, else the ring when ``large``
+    (and there is an item per rank), else recursive doubling."""
     n, a = links.world_size, flat.array
     if n == 1 or flat.size == 0:
         return
@@ -372,6 +377,7 @@ async def gather_blocks(links: Links, op: Op, flat: Flat, a: Any,
 
 
 async def bruck_allgather(links: Links, op: Op, flat: Flat, a: Any, count: int) -> None:
+    """Bruck's allgather of ``count``-item blocks in ``a``: log2 rounds."""
     n = links.world_size
 
     def blocks(first: int, number: int) -> list[Any]:

@@ -259,7 +259,7 @@ class Group:
             return flat.result()
 
         return self._log.submit(f"allreduce({flat.describe()},{reduce.value}{_mark(hier)})",
-                            body, timeout)
+                                body, timeout)
 
     def allreduce_many(
         self, tensors: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM, *,
@@ -321,7 +321,6 @@ class Group:
         first = parts[0]
         total = sum(p.size for p in parts)
         large, hier = self._choose(total * first.itemsize, algorithm)
-
         sizes = ",".join(str(p.size) for p in parts)
         if len(parts) > 8:  # keep the header short; still tells other splits apart
             sizes = f"{len(parts)}x{total}#{zlib.crc32(sizes.encode()):08x}"

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 async def bandwidth(client: PSClient) -> list[float | None]:
-    """:meth:`PSClient.bandwidth`."""
+    """Each shard's effective bandwidth since the last call: what
+    :meth:`PSClient.bandwidth <tensorwire.ps.PSClient.bandwidth>` returns."""
     reports = await asyncio.gather(*(client._shards.call(a, Shard.traffic)
                                      for a in client.addresses))
     out: list[float | None] = []
@@ -47,7 +48,8 @@ async def bandwidth(client: PSClient) -> list[float | None]:
 
 async def rebalance(client: PSClient, *, threshold: float | None = None,
                     bandwidth: Sequence[float] | None = None) -> dict[str, Any]:
-    """:meth:`PSClient.rebalance`."""
+    """Move chunks from slow shards to fast ones when it pays: what
+    :meth:`PSClient.rebalance <tensorwire.ps.PSClient.rebalance>` does."""
     threshold = client.config.rebalance_threshold if threshold is None else threshold
     measured: list[float | None] = (list(bandwidth) if bandwidth is not None
                                     else await client.bandwidth())
@@ -85,6 +87,8 @@ async def rebalance(client: PSClient, *, threshold: float | None = None,
 
 
 async def maybe_rebalance(client: PSClient, clock: int) -> None:
+    """On worker 0, every ``config.rebalance_every`` steps (and only between
+    steps), check the balance; a failed move is logged and finished by the next."""
     every = client.config.rebalance_every
     if (every is None or client.worker != 0 or clock == 0 or clock % every
             or client._running > 1):

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 async def reshard(client: PSClient, addresses: Sequence[str], *,
                   placement: Placement | None = None) -> dict[str, Any]:
-    """:meth:`PSClient.reshard`."""
+    """Move the parameters to the shards at ``addresses``: what
+    :meth:`PSClient.reshard <tensorwire.ps.PSClient.reshard>` does."""
     if client._placement is None:
         raise FailedPrecondition("call init() first")
     new_addresses = list(addresses)
@@ -181,6 +182,7 @@ async def finish_change(client: PSClient, version: int,
 
 
 async def checkpoint_if_kept(client: PSClient, address: str) -> None:
+    """Have the shard write a checkpoint, if it keeps them."""
     with contextlib.suppress(FailedPrecondition):  # no checkpoint directory
         await client._shards.call(address, Shard.checkpoint)
 

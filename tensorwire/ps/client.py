@@ -49,10 +49,6 @@ __all__ = ("Arrivals", "PSClient", "connect")
 logger = logging.getLogger(__name__)
 
 Array = np.ndarray[Any, Any]
-_SHARD = "tensorwire.ps.Shard."
-# How long after the server-side wait the RPC deadline falls, so the shard's
-# DeadlineExceeded (which names the workers behind) arrives first.
-_MARGIN = 5.0
 
 
 async def connect(
@@ -518,7 +514,6 @@ class PSClient:
         """
         return await _reshard.reshard(self, addresses, placement=placement)
 
-
     # -- bandwidth-aware balancing ------------------------------------------------------
 
     async def bandwidth(self) -> list[float | None]:
@@ -529,7 +524,6 @@ class PSClient:
         workers. None where no bytes moved.
         """
         return await _rebalance.bandwidth(self)
-
 
     async def rebalance(self, *, threshold: float | None = None,
                         bandwidth: Sequence[float] | None = None) -> dict[str, Any]:
@@ -552,7 +546,6 @@ class PSClient:
             What :meth:`reshard` raises.
         """
         return await _rebalance.rebalance(self, threshold=threshold, bandwidth=bandwidth)
-
 
     # -- internals --------------------------------------------------------------------
 
