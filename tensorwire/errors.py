@@ -13,6 +13,8 @@ that arrived are not a valid message.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 __all__ = (
     "Aborted",
@@ -33,6 +35,7 @@ __all__ = (
     "MismatchError",
     "NotFound",
     "OutOfRange",
+    "PlacementMoved",
     "PermissionDenied",
     "ProtocolError",
     "RankFailedError",
@@ -138,10 +141,17 @@ class RemoteError(TensorwireError):
     text and ``remote_traceback`` its formatted traceback.
 
     A handler raises one of these classes itself to choose the status its
-    caller sees: ``raise NotFound(f"no key {key!r}")``.
+    caller sees: ``raise NotFound(f"no key {key!r}")``. Its ``details``
+    travel too: structured facts the caller acts on (plain values: str, int,
+    float, bool, None, bytes, and lists and str-keyed dicts of them), so a
+    result never has to carry a marker value. A subclass defined here with
+    the same status as its base (:class:`PlacementMoved`) arrives as itself.
     """
 
     status: Status = Status.UNKNOWN
+    #: Whether a server sends the handler's traceback with this error: not
+    #: for an error that is an answer rather than a fault (a redirect).
+    sends_traceback: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -149,11 +159,13 @@ class RemoteError(TensorwireError):
         *,
         type_name: str | None = None,
         remote_traceback: str = "",
+        details: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.type_name = type_name or type(self).__name__
         self.remote_traceback = remote_traceback
+        self.details: dict[str, Any] = dict(details) if details else {}
 
     def __str__(self) -> str:
         text = f"[{self.status.name}] {self.message}"
@@ -162,8 +174,12 @@ class RemoteError(TensorwireError):
         return text
 
     @staticmethod
-    def for_status(status: Status | int) -> type[RemoteError]:
-        """The RemoteError subclass that stands for ``status``."""
+    def for_status(status: Status | int, type_name: str | None = None) -> type[RemoteError]:
+        """The RemoteError subclass that stands for ``status``, or the error of
+        this module named ``type_name`` when it has that status."""
+        named = _BY_NAME.get(type_name) if type_name else None
+        if named is not None and named.status == status:
+            return named
         try:
             return _BY_STATUS[Status(status)]
         except (ValueError, KeyError):
@@ -287,6 +303,45 @@ _BY_STATUS: dict[Status, type[RemoteError]] = {
         Unauthenticated,
     )
 }
+
+
+
+
+class PlacementMoved(Aborted):
+    """A parameter-server shard serves a later placement version than the
+    call used: the worker adopts placement :attr:`version` and calls again.
+
+    The version travels in ``details["version"]``; no traceback goes with it
+    (every worker behind gets one, and a worker with small message limits
+    must still read it).
+    """
+
+    sends_traceback = False
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        version: int | None = None,
+        type_name: str | None = None,
+        remote_traceback: str = "",
+        details: Mapping[str, Any] | None = None,
+    ) -> None:
+        merged = dict(details or {})
+        if version is not None:
+            merged["version"] = version
+        super().__init__(message, type_name=type_name, remote_traceback=remote_traceback,
+                         details=merged)
+
+    @property
+    def version(self) -> int:
+        """The placement version the shard serves (0 when the error does not say)."""
+        version = self.details.get("version")
+        return version if type(version) is int else 0
+
+
+#: Errors rebuilt by name: those that share their status with another.
+_BY_NAME: dict[str, type[RemoteError]] = {cls.__name__: cls for cls in (PlacementMoved,)}
 
 
 # --- collectives ---------------------------------------------------------------

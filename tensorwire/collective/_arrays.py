@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 
-__all__ = ("Flat", "ReduceOp", "flatten")
+__all__ = ("Flat", "ReduceOp", "c_ordered", "check_op", "flatten", "output", "same_memory")
 
 
 class ReduceOp(enum.Enum):
@@ -185,3 +185,53 @@ def _from_torch(x: Any, writable: bool, name: str) -> Flat:
     else:
         array = tensor.numpy()
     return _from_numpy(array, x, writable, name, "cpu")
+
+
+def check_op(op: ReduceOp | str, flat: Flat) -> ReduceOp:
+    """``op`` as a :class:`ReduceOp` that can reduce ``flat``.
+
+    Raises:
+        InvalidArgument: an unknown reduction, or AVG of integers.
+    """
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise InvalidArgument(f"unknown reduction {op!r}") from None
+    if op is ReduceOp.AVG and flat.dtype.kind not in "fc" and flat.dtype.name != "bfloat16":
+        raise InvalidArgument(f"ReduceOp.AVG needs a floating dtype, got {flat.dtype}")
+    return op
+
+
+def c_ordered(flat: Flat, operation: str) -> Flat:
+    """``flat`` if its array is C-ordered: operations that stack or split
+    arrays along their first axis index them in C order.
+
+    Raises:
+        InvalidArgument: a Fortran-ordered array.
+    """
+    if flat.order != "C" and len(flat.shape) > 1:
+        raise InvalidArgument(f"{operation} needs C-ordered arrays (np.ascontiguousarray)")
+    return flat
+
+
+def output(like: Flat, out: Any, shape: tuple[int, ...]) -> Flat:
+    """``out``, or a new array of ``like``'s kind, checked as a C-ordered ``shape`` result.
+
+    Raises:
+        InvalidArgument: ``out`` has another shape, dtype or order.
+    """
+    target = like.allocate(shape) if out is None else flatten(out, name="out")
+    if target.shape != shape or target.dtype != like.dtype or target.order != "C":
+        raise InvalidArgument(f"out must be a C-ordered {like.dtype} array of shape {shape}")
+    return target
+
+
+def same_memory(a: Any, b: Any) -> bool:
+    """Whether arrays ``a`` and ``b`` start at the same address."""
+    try:
+        if hasattr(a, "__cuda_array_interface__"):
+            return bool(a.__cuda_array_interface__["data"][0]
+                        == b.__cuda_array_interface__["data"][0])
+        return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+    except (AttributeError, KeyError):
+        return False

@@ -34,8 +34,7 @@ from ..errors import (
     TensorwireError,
     Unavailable,
 )
-from ..transports import Connection
-from ..transports._registry import format_host_port, parse_host_port
+from ..transports import Connection, format_host_port, parse_host_port
 from .config import GroupConfig
 
 __all__ = ("Coordinator", "Member", "RendezvousServer", "Runtime", "serve_rendezvous")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Hashable, Sequence
 
 __all__ = (
     "BruckStep",
@@ -24,6 +25,7 @@ __all__ = (
     "RingStep",
     "binomial_tree",
     "bruck_steps",
+    "buckets",
     "chain",
     "dissemination",
     "pairwise",
@@ -209,3 +211,24 @@ def bruck_steps(rank: int, size: int) -> tuple[BruckStep, ...]:
 def pairwise(rank: int, size: int) -> tuple[tuple[int, int], ...]:
     """All-to-all exchange rounds ``(send_to, recv_from)``, ``size - 1`` of them."""
     return tuple(((rank + s) % size, (rank - s) % size) for s in range(1, size))
+
+
+def buckets(kinds: Sequence[Hashable], sizes: Sequence[int], priorities: Sequence[float],
+            limit: int) -> list[list[int]]:
+    """Arrays ``0 .. n - 1`` in order of ``priorities`` (ties by index), cut
+    into buckets: consecutive arrays of one kind, at most ``limit`` bytes in
+    all; an array of ``limit`` bytes or more is a bucket of its own.
+    """
+    order = sorted(range(len(sizes)), key=lambda i: (priorities[i], i))
+    out: list[list[int]] = []
+    size, kind = 0, None
+    for i in order:
+        key, nbytes = kinds[i], sizes[i]
+        if (out and key == kind and size < limit and nbytes < limit
+                and size + nbytes <= limit):
+            out[-1].append(i)
+            size += nbytes
+        else:
+            out.append([i])
+            size, kind = nbytes, key
+    return out

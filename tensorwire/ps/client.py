@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import heapq
-import itertools
 import logging
 import socket
 import time
@@ -24,40 +22,33 @@ from typing import Any
 
 import numpy as np
 
-from .. import rpc
 from .._metrics import Metrics
 from ..errors import (
     ConfigError,
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
-    Unavailable,
+    PlacementMoved,
 )
+from . import _rebalance, _reshard
 from ._compress import CompressionSpec, ErrorFeedback, Payload, compressor_for
 from ._consistency import Mode
+from ._links import ShardLinks
 from ._optim import Optimizer
 from ._placement import (
     Chunk,
     Placement,
     TensorSpec,
-    balance,
     chunk_tensors,
     place,
-    predicted_times,
-    relocate,
 )
 from .config import Job, PSConfig
-from .server import LATE, MOVED, nbytes
+from .server import Shard, nbytes
 
 __all__ = ("Arrivals", "PSClient", "connect")
 
 logger = logging.getLogger(__name__)
 
 Array = np.ndarray[Any, Any]
-_SHARD = "tensorwire.ps.Shard."
-# How long after the server-side wait the RPC deadline falls, so the shard's
-# DeadlineExceeded (which names the workers behind) arrives first.
-_MARGIN = 5.0
 
 
 async def connect(
@@ -106,14 +97,6 @@ async def connect(
     return client
 
 
-class _Moved(Exception):
-    """A shard serves a later placement version than the call used."""
-
-    def __init__(self, version: int) -> None:
-        super().__init__(version)
-        self.version = version
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Batch:
     """Chunks of one shard that travel in one message."""
@@ -150,77 +133,6 @@ def _batches(placement: Placement, message_bytes: int, rank: Mapping[str, int],
 
 def _batch(shard: int, group: list[Chunk], rank: Mapping[str, int]) -> _Batch:
     return _Batch(shard, tuple(group), [c.key for c in group], min(rank[c.name] for c in group))
-
-
-class _Window:
-    """At most ``limit`` messages in flight to one shard (None: no limit);
-    the others wait in a priority queue, lowest key first (ByteScheduler,
-    Peng et al. 2019: a bounded window so an urgent message need not queue
-    behind everything already sent)."""
-
-    def __init__(self, limit: int | None) -> None:
-        self.limit = limit
-        self.active = 0
-        self._queue: list[tuple[tuple[int, ...], int, asyncio.Future[None]]] = []
-        self._order = itertools.count()
-
-    @contextlib.asynccontextmanager
-    async def slot(self, key: tuple[int, ...]) -> AsyncIterator[None]:
-        if self.limit is not None and (self.active >= self.limit or self._queue):
-            waiter = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._queue, (key, next(self._order), waiter))
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled():
-                    self._release()  # granted just as we were cancelled
-                raise
-        else:
-            self.active += 1
-        try:
-            yield
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        while self._queue:
-            _, _, waiter = heapq.heappop(self._queue)
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes on
-                return
-        self.active -= 1
-
-
-class _Link:
-    """One shard connection, its send window, and the wall time during
-    which at least one call to it was in flight."""
-
-    def __init__(self, client: rpc.Client, window: int | None) -> None:
-        self.client = client
-        self.window = _Window(window)
-        self.host: str | None = None
-        self.busy = 0.0
-        self.active = 0
-        self._since = 0.0
-        #: At the last bandwidth measurement: (busy seconds, bytes, waited seconds).
-        self.mark = (0.0, 0.0, 0.0)
-        #: The bandwidth estimate rebalance() uses (bytes/s).
-        self.estimate: float | None = None
-
-    @contextlib.contextmanager
-    def timing(self) -> Iterator[None]:
-        if self.active == 0:
-            self._since = time.monotonic()
-        self.active += 1
-        try:
-            yield
-        finally:
-            self.active -= 1
-            if self.active == 0:
-                self.busy += time.monotonic() - self._since
-
-    def busy_now(self) -> float:
-        return self.busy + (time.monotonic() - self._since if self.active else 0.0)
 
 
 class Arrivals:
@@ -287,8 +199,7 @@ class PSClient:
             raise ConfigError("a shard address is listed twice")
         if not 0 <= worker < job.num_workers:
             raise ConfigError(f"worker must be in 0..{job.num_workers - 1}, got {worker}")
-        #: The shards of the current placement, in its order.
-        self.addresses = list(addresses)
+        self._shards = ShardLinks(addresses, worker=worker, config=config)
         # Shards of earlier placements that left: they may still hold chunks
         # of a change that did not finish.
         self._retired: list[str] = []
@@ -304,9 +215,6 @@ class PSClient:
         #: none: added to the chunk's next gradient once.
         self._carry: dict[str, Array] = {}
         self._host = socket.gethostname()
-        self._links: dict[str, _Link] = {}
-        for address in self.addresses:
-            self._link(address)
         self._specs: dict[str, TensorSpec] = {}
         self._rank: dict[str, int] = {}
         self._chunks: tuple[Chunk, ...] = ()
@@ -317,24 +225,8 @@ class PSClient:
         self._refreshing = asyncio.Lock()
         #: Steps this worker has pushed (the clock of its next push).
         self.clock = 0
-        #: Per chunk: the clock and payload of the latest push, resent after
-        #: a shard reconnects.
-        self._pushed: dict[str, tuple[int, Payload]] = {}
-        #: Per chunk: the clock of this worker's latest read of it.
-        self._seen: dict[str, int] = {}
         self._running = 0  # operations in flight
-        self._closed = False
-        # Set by close(): wakes calls waiting out a reconnection backoff.
-        self._closing = asyncio.Event()
         self._metrics = Metrics()
-
-    def _link(self, address: str) -> _Link:
-        link = self._links.get(address)
-        if link is None:
-            window = self.config.window if self.config.priority else None
-            link = self._links[address] = _Link(
-                rpc.Client(address, config=self.config.rpc), window)
-        return link
 
     # -- lifetime -------------------------------------------------------------------
 
@@ -344,23 +236,13 @@ class PSClient:
         Raises:
             Unavailable: a shard cannot be reached.
         """
-        await asyncio.gather(*(self._hello(a) for a in self.addresses))
+        await asyncio.gather(*(self._shards.hello(a) for a in self.addresses))
         return self
-
-    async def _hello(self, address: str) -> None:
-        link = self._link(address)
-        if link.host is None:
-            await link.client.connect()
-            info = await self._call(address, "hello")
-            link.host = str(info["host"])
 
     async def close(self) -> None:
         """Close the shard connections (the shards keep their state); calls in
         flight fail with ``Unavailable``."""
-        self._closed = True
-        self._closing.set()
-        await asyncio.gather(*(link.client.close() for link in self._links.values()),
-                             return_exceptions=True)
+        await self._shards.close()
 
     async def __aenter__(self) -> PSClient:
         return self
@@ -369,6 +251,11 @@ class PSClient:
         await self.close()
 
     # -- placement ------------------------------------------------------------------
+
+    @property
+    def addresses(self) -> list[str]:
+        """The shards of the current placement, in its order."""
+        return self._shards.addresses
 
     @property
     def placement(self) -> Placement:
@@ -390,7 +277,7 @@ class PSClient:
     def link_class(self, shard: int) -> str:
         """``"local"`` when shard ``shard`` runs on this worker's host, else
         ``"remote"``: which of ``config.compression``'s compressors it gets."""
-        host = self._link(self.addresses[shard]).host
+        host = self._shards.link(self.addresses[shard]).host
         return "local" if host == self._host else "remote"
 
     def _feedback_of(self, link: str) -> ErrorFeedback:
@@ -409,7 +296,7 @@ class PSClient:
             old = {}
         self._retired = [a for a in dict.fromkeys([*self._retired, *self.addresses])
                          if a not in addresses]
-        self.addresses, self._placement, self.version = addresses, placement, version
+        self._shards.addresses, self._placement, self.version = addresses, placement, version
         self._batches = _batches(placement, self.config.message_bytes, self._rank)
         after = [self.link_class(s) for s in range(placement.num_shards)]
         for key, shard in placement.shard_of.items():
@@ -456,8 +343,8 @@ class PSClient:
         self._chunks = tuple(chunk_tensors(self._specs.values(), self.config.chunk_bytes))
         self._placement = None
         self._use(self.addresses, place(self._chunks, len(self.addresses)), 0)
-        self._seen.clear()
-        self._pushed.clear()
+        self._shards.seen.clear()
+        self._shards.pushed.clear()
         self._carry.clear()
         # Residuals of the compressors belong to the old layout.
         self._feedback.clear()
@@ -574,14 +461,14 @@ class PSClient:
             FailedPrecondition: a shard has no checkpoint directory or no job.
         """
         paths: list[str] = await asyncio.gather(
-            *(self._call(a, "checkpoint") for a in self.addresses))
+            *(self._shards.call(a, Shard.checkpoint) for a in self.addresses))
         return paths
 
     async def status(self) -> list[dict[str, Any]]:
         """Each shard's clocks, chunk count, bytes, update count, placement
         version and host."""
         result: list[dict[str, Any]] = await asyncio.gather(
-            *(self._call(a, "status") for a in self.addresses))
+            *(self._shards.call(a, Shard.status) for a in self.addresses))
         return result
 
     # -- placement changes ------------------------------------------------------------
@@ -625,205 +512,7 @@ class PSClient:
             Unavailable: a shard stayed unreachable (chunks already sent
                 are kept on both sides; call again to finish).
         """
-        if self._placement is None:
-            raise FailedPrecondition("call init() first")
-        new_addresses = list(addresses)
-        if placement is not None and (
-                placement.num_shards != len(new_addresses)
-                or {c.key for c in placement.chunks} != {c.key for c in self._chunks}):
-            raise InvalidArgument("the placement does not fit the addresses and tensors")
-        started = time.monotonic()
-        async with self._refreshing:
-            await asyncio.gather(*(self._hello(a) for a in new_addresses))
-            asked = list(dict.fromkeys([*self.addresses, *new_addresses]))
-            answers = await asyncio.gather(*(self._ask_hello(a, leaving=a not in new_addresses)
-                                             for a in asked))
-            infos = {a: info for a, info in zip(asked, answers, strict=True) if info is not None}
-            top = max(int(info["version"]) for info in infos.values())
-            finished: dict[str, Any] | None = None
-            if top > self.version or any(int(info.get("incoming", 0))
-                                         for info in infos.values()):
-                # An earlier change did not finish (its worker failed or
-                # died), or another worker's change has not reached us yet.
-                finished = await self._finish_change(top, infos)
-            old = self.placement
-            if placement is None:
-                placement = relocate(old, self.addresses, new_addresses)
-            if finished is not None and new_addresses == self.addresses and dict(
-                    placement.shard_of) == dict(old.shard_of):
-                finished["seconds"] = time.monotonic() - started
-                return finished
-            version = self.version + 1
-            layout = {"version": version, "addresses": new_addresses,
-                      "shard_of": dict(placement.shard_of), "step": self.clock}
-            involved = list(dict.fromkeys([*self.addresses, *new_addresses]))
-            job = self.job.to_wire()
-            # Every shard first: from here on, old-version calls are redirected.
-            await asyncio.gather(*(
-                self._call(a, "begin", job, layout,
-                           new_addresses.index(a) if a in new_addresses else -1)
-                for a in involved))
-            moves: dict[tuple[str, str], list[Chunk]] = {}
-            for chunk in self._chunks:
-                source = self.addresses[old.shard_of[chunk.key]]
-                target = new_addresses[placement.shard_of[chunk.key]]
-                if source != target:
-                    moves.setdefault((source, target), []).append(chunk)
-            moved = await asyncio.gather(*(
-                self._transfer(source, target, version, chunks)
-                for (source, target), chunks in moves.items()))
-            await asyncio.gather(*(
-                self._call(source, "release", version, [c.key for c in chunks])
-                for (source, _), chunks in moves.items()))
-            self._use(new_addresses, placement, version)
-            # Shards that keep checkpoints write one now, so that a restart
-            # restores the new placement rather than chunks that left.
-            await asyncio.gather(*(self._checkpoint_if_kept(a) for a in involved))
-        report = _move_report(version, moves, moved, placement, time.monotonic() - started)
-        logger.info("placement version %d on %d shards: moved %d chunks, %d bytes in %.2f s",
-                    version, len(new_addresses), report["chunks_moved"],
-                    report["bytes_moved"], report["seconds"])
-        return report
-
-    async def _ask_hello(self, address: str, *, leaving: bool) -> dict[str, Any] | None:
-        """A shard's hello; None for a shard that is leaving and gone."""
-        try:
-            info: dict[str, Any] = await self._call(address, "hello")
-        except Unavailable:
-            if not leaving:
-                raise
-            return None
-        return info
-
-    async def _finish_change(self, version: int,
-                             infos: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-        """Bring the change to placement ``version`` to its end, as far as an
-        earlier :meth:`reshard` took it, and use that placement.
-
-        Every shard of the placement is told to serve it again (``begin`` is
-        idempotent); each chunk a shard still waits for is found on whichever
-        shard this worker knows (the placement's, earlier ones', those just
-        asked) still holds it and moved there; then every shard drops what it
-        no longer owns. Shards outside the placement that cannot be reached
-        are passed over. Runs under ``_refreshing``.
-
-        Raises:
-            FailedPrecondition: the placement is for other tensors, or a chunk
-                is on no shard that can be reached.
-        """
-        holder = next(a for a, info in infos.items() if int(info["version"]) == version)
-        layout = await self._call(holder, "layout")
-        addresses = [str(a) for a in layout["addresses"]]
-        shard_of = {str(k): int(v) for k, v in dict(layout["shard_of"]).items()}
-        chunks = {c.key: c for c in self._chunks}
-        if set(shard_of) != set(chunks):
-            raise FailedPrecondition("the shards' new placement is for other tensors")
-        await asyncio.gather(*(self._hello(a) for a in addresses))
-        job = self.job.to_wire()
-        await asyncio.gather(*(self._call(a, "begin", job, layout, i)
-                               for i, a in enumerate(addresses)))
-        waiting = await asyncio.gather(*(self._call(a, "incoming", version) for a in addresses))
-        needed = {str(key): addresses[i] for i, keys in enumerate(waiting) for key in keys}
-        others = [a for a in dict.fromkeys([*self.addresses, *self._retired, *infos])
-                  if a not in addresses]
-        reachable = list(addresses)
-        for address in others:
-            # A shard that left may be stopped already: what it held then
-            # must be on a shard that took it (else the loss is named below).
-            try:
-                await self._call(address, "begin", job, layout, -1)
-            except Unavailable:
-                logger.info("shard %s, which left the placement, is gone", address)
-                continue
-            reachable.append(address)
-        moves: dict[tuple[str, str], list[Chunk]] = {}
-        if needed:
-            wanted = sorted(needed)
-            held = await asyncio.gather(*(self._call(a, "holding", wanted) for a in reachable))
-            source: dict[str, str] = {}
-            for address, keys in zip(reachable, held, strict=True):
-                for key in keys:
-                    source.setdefault(str(key), address)
-            lost = sorted(set(needed) - set(source))
-            if lost:
-                raise FailedPrecondition(
-                    f"placement version {version} cannot be finished: chunks {lost[:5]} "
-                    f"({len(lost)} in all) are on no shard this worker can reach")
-            for key, target in needed.items():
-                moves.setdefault((source[key], target), []).append(chunks[key])
-        moved = await asyncio.gather(*(self._transfer(s, t, version, cs)
-                                       for (s, t), cs in moves.items()))
-        everything = sorted(chunks)
-        await asyncio.gather(*(self._call(a, "release", version, everything) for a in reachable))
-        placement = Placement(len(addresses), self._chunks, shard_of)
-        self._use(addresses, placement, version)
-        await asyncio.gather(*(self._checkpoint_if_kept(a) for a in reachable))
-        report = _move_report(version, moves, moved, placement, 0.0)
-        logger.info("finished placement version %d on %d shards: moved %d chunks that were "
-                    "still on their way", version, len(addresses), report["chunks_moved"])
-        return report
-
-    async def _checkpoint_if_kept(self, address: str) -> None:
-        with contextlib.suppress(FailedPrecondition):  # no checkpoint directory
-            await self._call(address, "checkpoint")
-
-    async def _transfer(self, source: str, target: str, version: int,
-                        chunks: list[Chunk]) -> int:
-        """Chunks from ``source`` to ``target`` through this worker, a
-        message's worth at a time; returns the bytes moved."""
-        moved = 0
-        group: list[str] = []
-        size = 0
-        groups: list[list[str]] = []
-        for chunk in chunks:
-            if group and size + chunk.nbytes > self.config.message_bytes:
-                groups.append(group)
-                group, size = [], 0
-            group.append(chunk.key)
-            size += chunk.nbytes
-        if group:
-            groups.append(group)
-        for keys in groups:
-            records = await self._call(source, "export", version, keys)
-            await self._call(target, "adopt", version, records)
-            moved += nbytes(records)
-        return moved
-
-    async def _refresh(self, version: int) -> None:
-        """Adopt placement ``version`` (or later) from the shards."""
-        async with self._refreshing:
-            if self.version >= version:
-                return
-            # The first shard that has it answers; a shard that left the
-            # placement may be gone already.
-            asks = [asyncio.ensure_future(self._call(a, "layout")) for a in self.addresses]
-            layout: dict[str, Any] | None = None
-            error: BaseException | None = None
-            try:
-                for next_done in asyncio.as_completed(asks):
-                    try:
-                        found = await next_done
-                    except (Unavailable, FailedPrecondition) as exc:
-                        error = exc
-                        continue
-                    if isinstance(found, dict) and int(found["version"]) >= version:
-                        layout = found
-                        break
-            finally:
-                for ask in asks:
-                    ask.cancel()
-            if layout is None:
-                raise error or FailedPrecondition(
-                    f"a shard redirected to placement version {version}, but none has it")
-            addresses = [str(a) for a in layout["addresses"]]
-            shard_of = {str(k): int(v) for k, v in dict(layout["shard_of"]).items()}
-            if set(shard_of) != {c.key for c in self._chunks}:
-                raise FailedPrecondition("the shards' new placement is for other tensors")
-            await asyncio.gather(*(self._hello(a) for a in addresses))
-            self._use(addresses, Placement(len(addresses), self._chunks, shard_of),
-                      int(layout["version"]))
-            logger.info("worker %d now uses placement version %d (%d shards)", self.worker,
-                        self.version, len(addresses))
+        return await _reshard.reshard(self, addresses, placement=placement)
 
     # -- bandwidth-aware balancing ------------------------------------------------------
 
@@ -834,22 +523,7 @@ class PSClient:
         flight, less the time the shard says those calls waited for other
         workers. None where no bytes moved.
         """
-        reports = await asyncio.gather(*(self._call(a, "traffic") for a in self.addresses))
-        out: list[float | None] = []
-        for address, report in zip(self.addresses, reports, strict=True):
-            link = self._link(address)
-            served = waited = 0.0
-            if float(self.worker) in report["workers"]:
-                row = report["workers"].index(float(self.worker))
-                served = report["bytes_in"][row] + report["bytes_out"][row]
-                waited = report["waited"][row]
-            busy = link.busy_now()
-            before = link.mark
-            link.mark = (busy, served, waited)
-            moved = served - before[1]
-            seconds = (busy - before[0]) - (waited - before[2])
-            out.append(moved / seconds if moved > 0 and seconds > 0 else None)
-        return out
+        return await _rebalance.bandwidth(self)
 
     async def rebalance(self, *, threshold: float | None = None,
                         bandwidth: Sequence[float] | None = None) -> dict[str, Any]:
@@ -871,56 +545,7 @@ class PSClient:
         Raises:
             What :meth:`reshard` raises.
         """
-        threshold = self.config.rebalance_threshold if threshold is None else threshold
-        measured: list[float | None] = (list(bandwidth) if bandwidth is not None
-                                        else await self.bandwidth())
-        if bandwidth is None:
-            # Each link's estimate is the mean of its last two measurements:
-            # one step's worth of traffic is noisy, a slower reaction is cheap.
-            for i, (address, value) in enumerate(zip(self.addresses, measured, strict=True)):
-                link = self._link(address)
-                if value is not None:
-                    link.estimate = value if link.estimate is None else (
-                        link.estimate + value) / 2
-                measured[i] = link.estimate
-        known = [b for b in measured if b is not None]
-        report: dict[str, Any] = {"bandwidth": measured, "rebalanced": False}
-        if not known:
-            report.update(predicted=None, imbalance=1.0)
-            return report
-        fill = sum(known) / len(known)
-        speeds = [fill if b is None else b for b in measured]
-        predicted = predicted_times(self.placement, speeds)
-        mean = sum(predicted) / len(predicted)
-        imbalance = max(predicted) / mean if mean > 0 else 1.0
-        report.update(predicted=predicted, imbalance=imbalance)
-        if imbalance <= 1 + threshold:
-            return report
-        plan = balance(self.placement, speeds)
-        after = predicted_times(plan, speeds)
-        if max(after) * (1 + threshold) >= max(predicted):
-            # Chunks too coarse to do better, or too little to gain.
-            report["predicted_after"] = after
-            return report
-        report.update(await self.reshard(self.addresses, placement=plan))
-        report.update(rebalanced=True, predicted_after=after)
-        return report
-
-    async def _maybe_rebalance(self, clock: int) -> None:
-        every = self.config.rebalance_every
-        if (every is None or self.worker != 0 or clock == 0 or clock % every
-                or self._running > 1):
-            return
-        try:
-            report = await self.rebalance()
-        except (FailedPrecondition, Unavailable) as exc:
-            # A move that stopped part-way is finished by the next check.
-            logger.warning("rebalancing failed, checked again in %d steps: %s", every, exc)
-            return
-        logger.info("rebalance check at step %d: bandwidth %s MB/s, predicted-time "
-                    "imbalance %.3f%s", clock,
-                    [None if b is None else round(b / 1e6, 1) for b in report["bandwidth"]],
-                    report["imbalance"], ", moved" if report["rebalanced"] else "")
+        return await _rebalance.rebalance(self, threshold=threshold, bandwidth=bandwidth)
 
     # -- internals --------------------------------------------------------------------
 
@@ -988,7 +613,7 @@ class PSClient:
         under it. ``data``: per chunk key the payload (push, push_pull), per
         tensor name the flat values (init). Returns the results per chunk."""
         if method in ("push", "push_pull"):
-            await self._maybe_rebalance(clock)
+            await _rebalance.maybe_rebalance(self, clock)
         results: dict[str, Any] = {}
         while True:
             version = self.version
@@ -999,12 +624,14 @@ class PSClient:
             tasks = [asyncio.ensure_future(self._send(b, method, clock, data, version,
                                                       order is not None))
                      for b in batches]
-            moved = 0
+            moved: int | None = None
             try:
                 for next_done in asyncio.as_completed(tasks):
-                    batch, result = await next_done
-                    if isinstance(result, _Moved):
-                        moved = max(moved, result.version)
+                    try:
+                        batch, result = await next_done
+                    except PlacementMoved as exc:
+                        # Sent again under the placement the shards moved on to.
+                        moved = max(moved or 0, exc.version)
                         continue
                     values = result if isinstance(result, list) else [None] * len(batch.keys)
                     results.update(zip(batch.keys, values, strict=True))
@@ -1014,121 +641,54 @@ class PSClient:
                 for task in tasks:
                     task.cancel()
                 raise
-            if not moved:
+            if moved is None:
                 return results
-            await self._refresh(moved)
+            await _reshard.refresh(self, moved)
 
     async def _send(self, batch: _Batch, method: str, clock: int, data: Mapping[str, Any],
                     version: int, fifo: bool) -> tuple[_Batch, Any]:
         address = self.addresses[batch.shard] if version == self.version else None
         if address is None:
-            return batch, _Moved(self.version)
-        link = self._link(address)
+            raise PlacementMoved(f"worker {self.worker} moved on from placement version "
+                                 f"{version} to {self.version}", version=self.version)
+        shards = self._shards
+        link = shards.link(address)
         wait = self.config.timeout
-        seen = min((self._seen.get(k, 0) for k in batch.keys), default=0)
-        if method == "init":
-            values = ([data[c.name][c.start:c.stop] for c in batch.chunks]
-                      if self.worker == 0 else [])
-            args: tuple[Any, ...] = (self.job.to_wire(), self.worker, batch.keys, values,
-                                     [c.size for c in batch.chunks], wait)
-        elif method == "pull":
-            args = (self.worker, clock, batch.keys, wait)
-        else:
-            items = [data[k] for k in batch.keys]
-            args = (self.worker, clock, batch.keys, items, seen, wait)
-            for key, item in zip(batch.keys, items, strict=True):
-                self._pushed[key] = (clock, item)
+        keys = batch.keys
+        seen = min((shards.seen.get(k, 0) for k in keys), default=0)
+        items: list[Payload] = []
+        if method in ("push", "push_pull"):
+            items = [data[k] for k in keys]
+            for key, item in zip(keys, items, strict=True):
+                shards.pushed[key] = (clock, item)
         async with link.window.slot((clock,) if fifo else (clock, batch.rank)):
-            if method in ("push", "push_pull"):
-                self._metrics[method].bytes_out += nbytes(args[3])
+            if items:
+                self._metrics[method].bytes_out += nbytes(items)
             with link.timing():
-                try:
-                    result = await self._call(address, method, *args, version=version,
-                                              keys=batch.keys)
-                except _Moved as moved:
-                    return batch, moved
+                result: Any
+                if method == "init":
+                    values = ([data[c.name][c.start:c.stop] for c in batch.chunks]
+                              if self.worker == 0 else [])
+                    result = await shards.call(
+                        address, Shard.init, self.job.to_wire(), self.worker, keys, values,
+                        [c.size for c in batch.chunks], wait, version=version)
+                elif method == "pull":
+                    result = await shards.read(address, (keys, clock), Shard.pull,
+                                               self.worker, clock, keys, wait,
+                                               version=version)
+                elif method == "push":
+                    result = await shards.call(address, Shard.push, self.worker, clock,
+                                               keys, items, seen, wait, version=version)
+                else:
+                    result = await shards.read(address, (keys, clock), Shard.push_pull,
+                                               self.worker, clock, keys, items, seen, wait,
+                                               version=version)
         if method in ("pull", "push_pull"):
             self._metrics[method].bytes_in += nbytes(result)
             read_at = clock if method == "pull" else clock + 1
-            for key in batch.keys:
-                self._seen[key] = max(self._seen.get(key, 0), read_at)
+            for key in keys:
+                shards.seen[key] = max(shards.seen.get(key, 0), read_at)
         return batch, result
-
-    async def _call(self, address: str, method: str, *args: Any,
-                    keys: Sequence[str] = (), **kwargs: Any) -> Any:
-        """Call a shard, retrying while it is unreachable (all methods are idempotent).
-
-        A shard that comes back may have restarted from a checkpoint and lost
-        this worker's last push, so that push goes again before a retried
-        pull (a copy the shard already has is ignored).
-
-        Raises:
-            _Moved: the shard serves a later placement version.
-        """
-        client = self._link(address).client
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.config.retry_timeout
-        timeout = self.config.timeout + _MARGIN
-        pause = 0.05
-        while True:
-            try:
-                result = await client.call(_SHARD + method, *args, timeout=timeout,
-                                           idempotent=True, **kwargs)
-            except Unavailable as exc:
-                if self._closed or loop.time() + pause > give_up:
-                    raise
-                logger.warning("shard %s unavailable (%s); retrying", address, exc)
-                if "version" in kwargs:
-                    # A shard that left the placement may have been stopped:
-                    # the others know where its chunks went.
-                    newer = await self._newest_version(address)
-                    if newer > kwargs["version"]:
-                        raise _Moved(newer) from None
-            else:
-                if isinstance(result, dict) and LATE in result:
-                    raise DeadlineExceeded(f"shard {address}: {result[LATE]}")
-                if isinstance(result, dict) and MOVED in result:
-                    raise _Moved(int(result[MOVED]))
-                return result
-            # A backoff between reconnection attempts, cut short by close().
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), pause)
-            if self._closed:
-                raise Unavailable(f"shard {address}: the client was closed")
-            pause = min(pause * 2, 1.0)
-            if method in ("pull", "push_pull"):
-                try:
-                    await self._resend(client, keys, args[1], timeout, kwargs)
-                except Unavailable:
-                    continue
-
-    async def _newest_version(self, unreachable: str) -> int:
-        """The latest placement version the other shards of the placement
-        serve, asked briefly (0 when none answers)."""
-        others = [a for a in self.addresses if a != unreachable]
-
-        async def ask(address: str) -> int:
-            info = await self._link(address).client.call(_SHARD + "hello", timeout=2.0)
-            return int(info["version"])
-
-        answers = await asyncio.gather(*(ask(a) for a in others), return_exceptions=True)
-        return max((a for a in answers if isinstance(a, int)), default=0)
-
-    async def _resend(self, client: rpc.Client, keys: Sequence[str], clock: int,
-                      timeout: float, kwargs: dict[str, Any]) -> None:
-        """Push again this worker's latest payloads of ``keys`` from before ``clock``."""
-        by_clock: dict[int, list[str]] = {}
-        for key in keys:
-            last = self._pushed.get(key)
-            if last is not None and last[0] < clock:
-                by_clock.setdefault(last[0], []).append(key)
-        for pushed, group in by_clock.items():
-            seen = min(self._seen.get(k, 0) for k in group)
-            result = await client.call(
-                _SHARD + "push", self.worker, pushed, group, [self._pushed[k][1] for k in group],
-                seen, self.config.timeout, timeout=timeout, idempotent=True, **kwargs)
-            if isinstance(result, dict) and MOVED in result:
-                raise _Moved(int(result[MOVED]))
 
     def _tensor(self, name: str, got: Mapping[str, Any]) -> Array:
         """Tensor ``name`` from its chunks' values."""
@@ -1145,11 +705,3 @@ class PSClient:
         """Tensors from the chunk values the shards sent back."""
         return {name: self._tensor(name, got) for name in self._specs}
 
-
-def _move_report(version: int, moves: Mapping[tuple[str, str], Sequence[Chunk]],
-                 moved: Sequence[int], placement: Placement, seconds: float) -> dict[str, Any]:
-    """What :meth:`PSClient.reshard` returns about a change of placement."""
-    return {"version": version, "bytes_moved": sum(moved),
-            "parameter_bytes_moved": sum(c.nbytes for cs in moves.values() for c in cs),
-            "chunks_moved": sum(len(c) for c in moves.values()), "seconds": seconds,
-            "imbalance": placement.imbalance}

@@ -13,14 +13,20 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from .. import rpc
-from ..errors import ConfigError, FailedPrecondition, InvalidArgument
+from ..errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    PlacementMoved,
+)
 from . import _checkpoint
 from ._arrays import array_module
 from ._compress import Payload
@@ -28,48 +34,19 @@ from ._consistency import Decision
 from ._store import ShardStore
 from .config import Job, ShardConfig
 
-__all__ = ("LATE", "MOVED", "Shard", "ShardServer", "serve")
+__all__ = ("Shard", "ShardServer", "serve")
 
 logger = logging.getLogger(__name__)
 
 Array = np.ndarray[Any, Any]
 T = TypeVar("T")
 
-#: The key of the result a shard returns to a call made with another
-#: placement version than the one it serves: ``{MOVED: version}``. The
-#: worker fetches the new placement (:meth:`Shard.layout`) and calls again.
-MOVED = "moved"
-
-#: The key of the result a shard returns when a wait for other workers ran
-#: out: ``{LATE: "message naming the workers behind"}``. A result, not a
-#: raised DeadlineExceeded, because the RPC client replaces the message of a
-#: remote DeadlineExceeded with its own; the worker raises DeadlineExceeded.
-LATE = "deadline_exceeded"
-
-
-Late = dict[str, str]
-Moved = dict[str, int]
-
-
-class _Late(Exception):
-    """A wait for other workers ran out (see :data:`LATE`)."""
-
-
-class _Moved(Exception):
-    """The caller uses an older placement (see :data:`MOVED`)."""
-
-    def __init__(self, version: int) -> None:
-        super().__init__(version)
-        self.version = version
-
-
-async def _answer(work: Awaitable[T]) -> T | Late | Moved:
-    try:
-        return await work
-    except _Late as late:
-        return {LATE: str(late)}
-    except _Moved as moved:
-        return {MOVED: moved.version}
+def _moved(version: int, used: int) -> PlacementMoved:
+    """The error for a call made with placement ``used`` to a shard that
+    serves ``version``: the worker fetches that placement (:meth:`Shard.layout`)
+    and calls again."""
+    return PlacementMoved(f"this shard serves placement version {version}, the call used "
+                          f"{used}", version=version)
 
 
 class Shard(rpc.Service):
@@ -78,7 +55,9 @@ class Shard(rpc.Service):
     Workers call it through :func:`tensorwire.ps.connect`; the methods are
     the wire protocol between the two. Every method is idempotent: a retry
     after a reconnect is safe. A method whose wait for other workers runs
-    out returns ``{LATE: message}`` instead of its result.
+    out raises ``DeadlineExceeded`` naming the workers behind; a call made
+    with another placement version than the shard serves raises
+    ``PlacementMoved`` with the version it serves.
     """
 
     service_name = "tensorwire.ps.Shard"
@@ -202,7 +181,7 @@ class Shard(rpc.Service):
             async with asyncio.timeout(timeout), changed:
                 await changed.wait_for(ready)
         except TimeoutError:
-            raise _Late(describe()) from None
+            raise DeadlineExceeded(describe()) from None
         finally:
             if worker is not None:
                 self._traffic.wait_ends(worker)
@@ -216,7 +195,7 @@ class Shard(rpc.Service):
                      wait: float) -> ShardStore:
         """The store, once this shard serves placement ``version`` and holds ``keys``.
 
-        A caller behind the shard's version is redirected (:class:`_Moved`);
+        A caller behind the shard's version is redirected (``PlacementMoved``);
         one ahead of it (the new placement has not reached this shard yet)
         waits for it, as it waits for chunks still on their way here.
         """
@@ -226,14 +205,14 @@ class Shard(rpc.Service):
                 lambda: f"worker {worker} waited {wait:g} s for placement version {version}")
         store = self._store()
         if version < store.version:
-            raise _Moved(store.version)
+            raise _moved(store.version, version)
         if store.incoming.intersection(keys):
             await self._wait_until(
                 lambda: store.version != version or not store.incoming.intersection(keys),
                 wait, lambda: (f"worker {worker} waited {wait:g} s for chunks moving to this "
                                f"shard: {sorted(store.incoming.intersection(keys))[:5]}"))
             if store.version != version:
-                raise _Moved(store.version)
+                raise _moved(store.version, version)
         return store
 
     # -- remote methods -----------------------------------------------------------
@@ -249,34 +228,13 @@ class Shard(rpc.Service):
     @rpc.method(idempotent=True)
     async def init(self, job: dict[str, Any], worker: int, keys: list[str],
                    values: list[Array], sizes: list[int], wait: float,
-                   version: int = 0) -> list[Array] | Late | Moved:
+                   version: int = 0) -> list[Array]:
         """Set up the job (the first worker to arrive sets it) and the chunks.
 
         Worker 0 sends ``values``, taken by chunks that have none yet; other
         workers send none and wait up to ``wait`` seconds for worker 0.
         Returns the chunks' values.
         """
-        return await _answer(self._init(job, worker, keys, values, sizes, wait, version))
-
-    def _job(self, job: dict[str, Any], worker: int) -> ShardStore:
-        try:
-            wanted = Job.from_wire(job)
-        except ConfigError as exc:
-            raise InvalidArgument(str(exc)) from None
-        if self.store is None:
-            self.store = ShardStore(wanted)
-            logger.info("job: %d workers, %s, %s", wanted.num_workers, wanted.consistency,
-                        wanted.optimizer)
-        elif self.store.job != wanted:
-            raise FailedPrecondition(
-                f"this shard serves another job: {self.store.job.to_wire()}, "
-                f"worker {worker} asked for {wanted.to_wire()}"
-            )
-        return self.store
-
-    async def _init(self, job: dict[str, Any], worker: int, keys: list[str],
-                    values: list[Array], sizes: list[int], wait: float,
-                    version: int) -> list[Array]:
         if version == 0:
             self._job(job, worker)
         store = await self._enter(worker, version, keys, wait)
@@ -299,18 +257,34 @@ class Shard(rpc.Service):
                                       "model or the chunk size")
         return current
 
+    def _job(self, job: dict[str, Any], worker: int) -> ShardStore:
+        try:
+            wanted = Job.from_wire(job)
+        except ConfigError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if self.store is None:
+            self.store = ShardStore(wanted)
+            logger.info("job: %d workers, %s, %s", wanted.num_workers, wanted.consistency,
+                        wanted.optimizer)
+        elif self.store.job != wanted:
+            raise FailedPrecondition(
+                f"this shard serves another job: {self.store.job.to_wire()}, "
+                f"worker {worker} asked for {wanted.to_wire()}"
+            )
+        return self.store
+
     @rpc.method(idempotent=True)
     async def push(self, worker: int, clock: int, keys: list[str], payloads: list[Payload],
-                   seen: int, wait: float, version: int = 0) -> Late | Moved | None:
+                   seen: int, wait: float, version: int = 0) -> None:
         """Take ``worker``'s gradients for step ``clock`` (a retry is ignored).
 
         ``seen`` is the clock of the worker's latest read from this shard. In
         sync mode a push for a step beyond the one being collected waits up
         to ``wait`` seconds for that step to complete. ``version`` is the
-        placement the worker uses: another one is answered ``{MOVED: v}``.
+        placement the worker uses: another one raises ``PlacementMoved``.
         """
         self._traffic.received(worker, payloads)
-        return await _answer(self._push(worker, clock, keys, payloads, seen, wait, version))
+        await self._push(worker, clock, keys, payloads, seen, wait, version)
 
     async def _push(self, worker: int, clock: int, keys: list[str], payloads: list[Payload],
                     seen: int, wait: float, version: int) -> None:
@@ -327,7 +301,7 @@ class Shard(rpc.Service):
                 worker,
             )
             if store.version != version:
-                raise _Moved(store.version)
+                raise _moved(store.version, version)
         decision = store.admit(worker, clock, keys, seen)
         if decision is Decision.DUPLICATE:
             logger.debug("duplicate push of worker %d for step %d ignored", worker, clock)
@@ -338,14 +312,13 @@ class Shard(rpc.Service):
 
     @rpc.method(idempotent=True)
     async def pull(self, worker: int, clock: int, keys: list[str],
-                   wait: float, version: int = 0) -> list[Array] | Late | Moved:
+                   wait: float, version: int = 0) -> list[Array]:
         """The chunks' values once ``worker`` at ``clock`` may read them.
 
         Waits up to ``wait`` seconds; the answer then names the workers that
         are behind.
         """
-        return self._traffic.sent(worker, await _answer(self._pull(worker, clock, keys, wait,
-                                                                   version)))
+        return self._traffic.sent(worker, await self._pull(worker, clock, keys, wait, version))
 
     async def _pull(self, worker: int, clock: int, keys: list[str], wait: float,
                     version: int) -> list[Array]:
@@ -360,25 +333,20 @@ class Shard(rpc.Service):
                 worker,
             )
             if store.version != version:
-                raise _Moved(store.version)
+                raise _moved(store.version, version)
         return store.values(keys)
 
     @rpc.method(idempotent=True)
     async def push_pull(self, worker: int, clock: int, keys: list[str],
                         payloads: list[Payload], seen: int,
-                        wait: float, version: int = 0) -> list[Array] | Late | Moved:
+                        wait: float, version: int = 0) -> list[Array]:
         """``push`` then ``pull`` at ``clock + 1``, in one round trip."""
         self._traffic.received(worker, payloads)
-        return self._traffic.sent(worker, await _answer(
-            self._push_pull(worker, clock, keys, payloads, seen, wait, version)))
-
-    async def _push_pull(self, worker: int, clock: int, keys: list[str],
-                         payloads: list[Payload], seen: int, wait: float,
-                         version: int) -> list[Array]:
         started = time.monotonic()
         await self._push(worker, clock, keys, payloads, seen, wait, version)
         remaining = max(wait - (time.monotonic() - started), 1e-3)
-        return await self._pull(worker, clock + 1, keys, remaining, version)
+        return self._traffic.sent(
+            worker, await self._pull(worker, clock + 1, keys, remaining, version))
 
     @rpc.method(idempotent=True)
     async def checkpoint(self) -> str:
@@ -425,8 +393,8 @@ class Shard(rpc.Service):
     async def begin(self, job: dict[str, Any], layout: dict[str, Any], index: int) -> int:
         """Serve placement ``layout`` as its shard ``index`` (-1: none).
 
-        From now on a call of an older version is answered ``{MOVED: v}``,
-        calls waiting here are woken to get that answer, and chunks this
+        From now on a call of an older version raises ``PlacementMoved``,
+        calls waiting here are woken to raise it, and chunks this
         shard should own are waited for until :meth:`adopt` brings them.
         Returns the version served.
         """

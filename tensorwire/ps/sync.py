@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..rpc._background import BackgroundLoop
+from .._background import BackgroundLoop
 from ._compress import CompressionSpec
 from ._consistency import Mode
 from ._optim import Optimizer

@@ -738,9 +738,9 @@ def _aiter_index(args: tuple[Any, ...]) -> int:
 
 
 def _remote(message: protocol.Error) -> RemoteError:
-    cls = RemoteError.for_status(message.status)
+    cls = RemoteError.for_status(message.status, message.type_name)
     return cls(message.message, type_name=message.type_name,
-               remote_traceback=message.traceback)
+               remote_traceback=message.traceback, details=message.details)
 
 
 def _unexpected(message: protocol.Message, method: str) -> Exception:

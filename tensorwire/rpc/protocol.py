@@ -74,6 +74,8 @@ _HAS_TIMEOUT = 1
 #: ERROR's message and traceback are cut to this many characters each, so
 #: that a huge exception text cannot push a header past MAX_HEADER_BYTES.
 MAX_ERROR_TEXT = 16 * 1024
+#: The most bytes ERROR.details may take, packed; larger details stay behind.
+MAX_ERROR_DETAILS = 16 * 1024
 #: A REQUEST's timeout is below this many seconds (about 31 years).
 MAX_TIMEOUT = 10.0**9
 
@@ -180,6 +182,8 @@ class Error(Message):
     type_name: str
     message: str
     traceback: str
+    #: ``RemoteError.details``: a fifth field, sent only when not empty.
+    details: dict[str, Any] | None = None
     kind: ClassVar[Kind] = Kind.ERROR
     fields: ClassVar[tuple[str, ...]] = ("status", "type_name", "message", "traceback")
 
@@ -263,7 +267,19 @@ def encode(message: Message) -> list[Any]:
                               message.stream_arg, message.value)
     head = [int(message.kind), message.call_id]
     head.extend(getattr(message, name) for name in message.fields)
+    if cls is Error and message.details:  # type: ignore[attr-defined]
+        head.append(message.details)  # type: ignore[attr-defined]
     return [msgpack.packb(head, use_bin_type=True), *message.payload]
+
+
+def sendable_details(details: dict[str, Any]) -> dict[str, Any] | None:
+    """``details`` when they pack as msgpack (plain values) within
+    :data:`MAX_ERROR_DETAILS` bytes, else ``None``."""
+    try:
+        packed = msgpack.packb(details, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return details if len(packed) <= MAX_ERROR_DETAILS else None
 
 
 def encode_request(call_id: int, method: str, timeout: float | None, stream_arg: int,
@@ -387,6 +403,11 @@ def parse(frames: Sequence[Any]) -> Message:
     if type(call_id) is not int or not 0 <= call_id < 1 << 63:
         raise ProtocolError(f"bad call id {call_id!r}")
     values = head[2:]
+    details = None
+    if cls is Error and len(values) == len(cls.fields) + 1:
+        details = values.pop()
+        if type(details) is not dict or not all(type(key) is str for key in details):
+            raise ProtocolError("ERROR.details must be a map with str keys")
     if len(values) != len(cls.fields):
         raise ProtocolError(
             f"{cls.kind.name} takes {len(cls.fields)} fields, got {len(values)}"
@@ -403,7 +424,10 @@ def parse(frames: Sequence[Any]) -> Message:
         raise ProtocolError(f"WELCOME.max_concurrent must be at least 1, got {values[3]}")
     if len(frames) != 1:
         raise ProtocolError(f"{cls.kind.name} carries no value, got {len(frames) - 1} frames")
-    return cls(call_id, *values)
+    message = cls(call_id, *values)
+    if details:
+        message.details = details  # type: ignore[attr-defined]
+    return message
 
 
 # --- handshake ---------------------------------------------------------------

@@ -533,14 +533,20 @@ def _decode(frames: list[Any], what: str, decoder: serde.Decoder) -> Any:
 
 
 def _error_message(call_id: int, error: BaseException) -> protocol.Error:
+    details = None
     if isinstance(error, RemoteError):
         status, type_name, message = int(error.status), error.type_name, error.message
-        trace = error.remote_traceback or _format(error)
+        trace = error.remote_traceback or (_format(error) if error.sends_traceback else "")
+        if error.details:
+            details = protocol.sendable_details(error.details)
+            if details is None:
+                logger.warning("the details of %s are not sent: not plain values, or over "
+                               "%d bytes", type_name, protocol.MAX_ERROR_DETAILS)
     else:
         status, type_name, message = int(Status.INTERNAL), type(error).__qualname__, str(error)
         trace = _format(error)
     return protocol.Error(call_id, status, _clip(type_name, 256), _clip(message),
-                          _clip(trace, keep_end=True))
+                          _clip(trace, keep_end=True), details)
 
 
 def _clip(text: str, limit: int = protocol.MAX_ERROR_TEXT, *, keep_end: bool = False) -> str:

@@ -11,7 +11,7 @@ import concurrent.futures
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
-from ._background import BackgroundLoop
+from .._background import BackgroundLoop
 from ._proxy import Proxy
 from .client import Client
 from .config import ClientConfig

@@ -7,7 +7,14 @@ Transports never look inside a frame.
 
 from ._base import Allocator, Connection, ConnectionHandler, FrameInfo, Listener, default_allocator
 from ._pool import BufferPool, PoolStats, buffer_pool
-from ._registry import Backend, connect, listen, register_transport
+from ._registry import (
+    Backend,
+    connect,
+    format_host_port,
+    listen,
+    parse_host_port,
+    register_transport,
+)
 from .config import Limits, TransportConfig, UCXOptions
 
 __all__ = (
@@ -25,6 +32,8 @@ __all__ = (
     "buffer_pool",
     "connect",
     "default_allocator",
+    "format_host_port",
     "listen",
+    "parse_host_port",
     "register_transport",
 )

@@ -15,7 +15,8 @@ from ..errors import ConfigError, UnsupportedTransportError
 from ._base import Allocator, Connection, ConnectionHandler, Listener
 from .config import TransportConfig
 
-__all__ = ("Backend", "connect", "listen", "parse_host_port", "register_transport")
+__all__ = ("Backend", "connect", "format_host_port", "listen", "parse_host_port",
+           "register_transport")
 
 
 class Backend(abc.ABC):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tensorwire.collective import Group, GroupConfig, ReduceOp, serve_rendezvous
-from tensorwire.collective.group import EnvSettings, env_settings
+from tensorwire.collective._environment import EnvSettings, env_settings
 from tensorwire.errors import (
     AlreadyExists,
     CollectiveError,
@@ -233,6 +233,8 @@ def test_environment_of_each_launcher() -> None:
     assert env_settings(slurm) == EnvSettings(1, 4, "tcp://node1:29500", None)
     mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "::1"}
     assert env_settings(mpi).master == "tcp://[::1]:29500"
+    bracketed = {**mpi, "MASTER_ADDR": "[fe80::1]"}
+    assert env_settings(bracketed).master == "tcp://[fe80::1]:29500"
     launched = {"RANK": "0", "WORLD_SIZE": "2", "TENSORWIRE_MASTER": "tcp://h:7",
                 "TENSORWIRE_MASTER_HOSTED": "1"}
     assert env_settings(launched) == EnvSettings(0, 2, "tcp://h:7", False)

@@ -145,3 +145,13 @@ def test_dissemination_and_pairwise(n: int) -> None:
         for step, (to, frm) in enumerate(schedule.pairwise(r, n)):
             assert schedule.pairwise(to, n)[step][1] == r
             assert schedule.pairwise(frm, n)[step][0] == r
+
+
+def test_buckets_follow_priority_kind_and_size() -> None:
+    kinds = ["f4", "f4", "f8", "f4", "f4"]
+    sizes = [10, 10, 10, 30, 10]
+    # Priority order 4, 0, 1, 2, 3: same-kind neighbours share a bucket up to
+    # 25 bytes; the f8 array and the 30-byte one stand alone.
+    assert schedule.buckets(kinds, sizes, [1, 2, 3, 4, 0], 25) == [[4, 0], [1], [2], [3]]
+    assert schedule.buckets(kinds, sizes, [0, 0, 0, 0, 0], 100) == [[0, 1], [2], [3, 4]]
+    assert schedule.buckets([], [], [], 8) == []

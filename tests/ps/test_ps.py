@@ -20,6 +20,7 @@ from tensorwire.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    PlacementMoved,
     ResourceExhausted,
     Unavailable,
 )
@@ -355,11 +356,12 @@ async def test_a_worker_on_an_old_placement_is_redirected_and_follows() -> None:
         report = await leader.reshard(addresses)
         assert report["version"] == 1 and report["chunks_moved"] > 0
         assert other.version == 0
-        # A call with the old version is answered with the new one, not served.
+        # A call with the old version is refused with the new one, not served.
         async with tw.connect(addresses[0], timeout=10) as probe:
             keys = [c.key for c in other.placement.on_shard(0)]
-            answer = await probe.call("tensorwire.ps.Shard.pull", 1, 1, keys, 5, version=0)
-            assert answer == {"moved": 1}
+            with pytest.raises(PlacementMoved) as moved:
+                await probe.call("tensorwire.ps.Shard.pull", 1, 1, keys, 5, version=0)
+            assert moved.value.version == 1 and moved.value.details == {"version": 1}
             layout = await probe.call("tensorwire.ps.Shard.layout")
             assert layout["addresses"] == addresses and layout["version"] == 1
         got = await asyncio.gather(leader.push_pull(ones(1.0)), other.push_pull(ones(2.0)))
@@ -453,7 +455,7 @@ async def test_compression_follows_each_shards_link_and_residuals_follow_chunks(
         (client,) = await workers(servers, 1, config=config, consistency="async",
                                   optimizer=ps.SGD(lr=1.0))
         near, far = (s.addresses[0] for s in servers)
-        client._links[far].host = "another-host"
+        client._shards.link(far).host = "another-host"
         start = await client.init(model())
         assert [client.link_class(0), client.link_class(1)] == ["local", "remote"]
         rng = np.random.default_rng(3)

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from ..errors import FailedPrecondition
+from .errors import FailedPrecondition
 
 __all__ = ("BackgroundLoop",)
 

@@ -1,0 +1,173 @@
+"""A group's links: one data connection to every other rank, and its messages.
+
+Every message of an operation is the header (:data:`~._oplog.HEAD`: the
+operation's sequence number and step, then its description) and the data
+frames. A receive lands each frame straight in the place given for it (the
+caller's array, or scratch), and checks the header against the operation
+this rank runs, so a rank that called something else is named, not
+misread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConnectionClosedError, RankFailedError, TransportError
+from ..transports import Connection, FrameInfo, default_allocator
+from ._arrays import Flat
+from ._oplog import HEAD, Op, OpLog
+from ._runtime import Runtime
+
+__all__ = ("Links", "nbytes", "run_all", "settle")
+
+#: A message this small fits the socket buffers of any peer, so sending it
+#: before receiving cannot deadlock and needs no task of its own.
+_EAGER_BYTES = 4096
+
+
+async def run_all(*coros: Coroutine[Any, Any, Any]) -> None:
+    """Run ``coros`` concurrently; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            # Whatever the others end with is ours to collect, not asyncio's
+            # "exception was never retrieved".
+            task.add_done_callback(_collect)
+            if not task.done():
+                task.cancel()
+
+
+def _collect(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def nbytes(frame: Any) -> int:
+    """The size of a frame (an array, or anything with the buffer protocol)."""
+    if hasattr(frame, "nbytes"):
+        return int(frame.nbytes)
+    return memoryview(frame).nbytes
+
+
+def settle(mine: Sequence[Any], landed: Sequence[Any]) -> None:
+    """Make sure received data is in ``mine``.
+
+    A transport may have taken a small message out of its read-ahead buffer
+    before our ``recv`` (and its allocator) came; such frames are copied
+    over. Everything else landed in ``mine`` already and costs nothing here.
+    """
+    for dst, src in zip(mine, landed, strict=True):
+        if src is dst:
+            continue
+        if hasattr(dst, "__cuda_array_interface__"):
+            import cupy
+
+            cupy.asarray(dst).reshape(-1)[...] = cupy.asarray(src).reshape(-1)
+        else:
+            np.asarray(dst).reshape(-1)[...] = np.asarray(src).reshape(-1)
+
+
+class Links:
+    """This rank's connections to the other ranks of one group.
+
+    Attributes:
+        peers: the connection to each other rank (the higher rank dials).
+    """
+
+    def __init__(self, log: OpLog) -> None:
+        self._log = log
+        self.rank = log.rank
+        self.world_size = log.world_size
+        self.config = log.config
+        self.id = log.id
+        self._members = log.members
+        self.peers: dict[int, Connection] = {}
+
+    async def connect(self, runtime: Runtime) -> None:
+        """Open a data connection to every other rank (the higher rank dials).
+
+        Raises:
+            RankFailedError: a rank did not connect within the rendezvous
+                timeout, or its address cannot be reached.
+        """
+        async def link(peer: int) -> None:
+            if peer < self.rank:
+                conn = await runtime.dial(self._members[peer], self.id, "coll")
+            else:
+                conn = await runtime.incoming(self.id, self._members[peer], "coll")
+            self.peers[peer] = conn
+
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        try:
+            async with asyncio.timeout(self.config.rendezvous_timeout):
+                await run_all(*(link(p) for p in peers))
+        except TimeoutError:
+            missing = sorted(p for p in peers if p not in self.peers)
+            raise RankFailedError(
+                f"group {self.id}: no data connection with ranks {missing} "
+                f"within {self.config.rendezvous_timeout} s", ranks=tuple(missing),
+            ) from None
+        except TransportError as exc:
+            raise RankFailedError(f"group {self.id}: cannot connect the ranks: {exc}") from exc
+
+    async def send(self, peer: int, op: Op, step: int, frames: Sequence[Any]) -> None:
+        """Send ``frames`` as ``peer``'s message of ``op`` at ``step``."""
+        op.bytes_out += sum(nbytes(f) for f in frames)
+        try:
+            await self.peers[peer].send([HEAD.pack(op.seq, step) + op.sig, *frames])
+        except ConnectionClosedError as exc:
+            raise await self._log.lost(peer, exc) from exc
+
+    async def recv(self, peer: int, op: Op, step: int, frames: Sequence[Any]) -> None:
+        """Receive ``peer``'s message of ``op`` straight into ``frames``."""
+        sizes = [nbytes(f) for f in frames]
+        op.bytes_in += sum(sizes)
+
+        def allocate(info: FrameInfo) -> Any:
+            index = info.index - 1
+            if index < 0:
+                return bytearray(info.nbytes)  # the header
+            if index < len(frames) and info.nbytes == sizes[index] and (
+                (info.device == "cuda") == hasattr(frames[index], "__cuda_array_interface__")
+            ):
+                return frames[index]
+            # Not what we expect: land it aside; the header check below says why.
+            return default_allocator(info)
+
+        self._log.waiting_on = peer
+        try:
+            got = await self.peers[peer].recv(allocator=allocate)
+        except ConnectionClosedError as exc:
+            raise await self._log.lost(peer, exc) from exc
+        finally:
+            self._log.waiting_on = None
+        header = bytes(got[0])
+        if header[HEAD.size:] != op.sig or HEAD.unpack_from(header) != (op.seq, step) or [
+            nbytes(f) for f in got[1:]
+        ] != sizes:
+            raise await self._log.mismatch(peer, op, header)
+        settle(frames, got[1:])
+
+    async def exchange(self, op: Op, step: int, dst: int, send: Sequence[Any],
+                       src: int, recv: Sequence[Any]) -> None:
+        """Send to ``dst`` and receive from ``src`` at the same time."""
+        if sum(nbytes(f) for f in send) <= _EAGER_BYTES:
+            await self.send(dst, op, step, send)
+            await self.recv(src, op, step, recv)
+        else:
+            await run_all(self.send(dst, op, step, send), self.recv(src, op, step, recv))
+
+    def per_segment(self, flat: Flat) -> int:
+        """How many items of ``flat`` travel in one message of a pipelined algorithm."""
+        return max(1, self.config.segment_bytes // max(flat.itemsize, 1))
