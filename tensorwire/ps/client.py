@@ -30,6 +30,7 @@ from ..errors import (
     PlacementMoved,
 )
 from . import _rebalance, _reshard
+from ._arrays import array_module, like
 from ._compress import CompressionSpec, ErrorFeedback, Payload, compressor_for
 from ._consistency import Mode
 from ._links import ShardLinks
@@ -333,7 +334,10 @@ class PSClient:
             FailedPrecondition: a shard serves a job with other settings.
             Unavailable: a shard stayed unreachable.
         """
-        arrays = {name: np.ascontiguousarray(value) for name, value in params.items()}
+        # CuPy parameters stay on the GPU: their chunks go device to device
+        # over ucx://, and the shards keep and update them there.
+        arrays = {name: array_module(value).ascontiguousarray(value)
+                  for name, value in params.items()}
         for name, array in arrays.items():
             if array.dtype.kind != "f":
                 raise InvalidArgument(f"{name!r}: parameters must be floating point, "
@@ -353,7 +357,7 @@ class PSClient:
         flat = {name: array.reshape(-1) for name, array in arrays.items()}
         got = await self._run("init", 0, flat)
         for chunk in self._chunks:
-            value = np.asarray(got[chunk.key])
+            value = got[chunk.key]
             wanted = np.dtype(self._specs[chunk.name].dtype)
             if value.dtype != wanted:
                 raise InvalidArgument(
@@ -561,11 +565,12 @@ class PSClient:
         flat: dict[str, Array] = {}
         for name, grad in grads.items():
             spec = self._specs[name]
-            array = np.asarray(grad)
+            xp = array_module(grad)
+            array = xp.asarray(grad)
             if array.shape != spec.shape:
                 raise InvalidArgument(f"{name!r}: gradient shape {array.shape}, "
                                       f"parameter shape {spec.shape}")
-            flat[name] = np.ascontiguousarray(array, dtype=np.dtype(spec.dtype)).reshape(-1)
+            flat[name] = xp.ascontiguousarray(array, dtype=np.dtype(spec.dtype)).reshape(-1)
         links = [self.link_class(s) for s in range(placement.num_shards)]
         payloads: dict[str, Payload] = {}
         for chunk in self._chunks:
@@ -574,6 +579,10 @@ class PSClient:
             if carried is not None:
                 grad = grad + carried
             feedback = self._feedback_of(links[placement.shard_of[chunk.key]])
+            if feedback.compressor.name != "none" and array_module(grad) is not np:
+                raise InvalidArgument(
+                    f"{chunk.name!r}: gradient compression ({feedback.compressor.name}) "
+                    "runs on host arrays; push CuPy gradients uncompressed")
             payloads[chunk.key] = feedback.compress(chunk.key, grad)
         clock = self.clock
         self.clock += 1
@@ -694,12 +703,16 @@ class PSClient:
         """Tensor ``name`` from its chunks' values."""
         spec = self._specs[name]
         chunks = [c for c in self._chunks if c.name == name]
+        first = got[chunks[0].key]
+        xp = array_module(first)  # where the shards keep the tensor
         if len(chunks) == 1:
-            return np.asarray(got[chunks[0].key]).reshape(spec.shape)
-        whole = np.empty(spec.size, np.dtype(spec.dtype))
+            one: Array = xp.asarray(first).reshape(spec.shape)
+            return one
+        whole = xp.empty(spec.size, np.dtype(spec.dtype))
         for chunk in chunks:
-            whole[chunk.start:chunk.stop] = got[chunk.key]
-        return whole.reshape(spec.shape)
+            whole[chunk.start:chunk.stop] = like(got[chunk.key], whole)
+        shaped: Array = whole.reshape(spec.shape)
+        return shaped
 
     def _assemble(self, got: Mapping[str, Any]) -> dict[str, Array]:
         """Tensors from the chunk values the shards sent back."""

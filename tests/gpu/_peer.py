@@ -314,6 +314,64 @@ async def rank_main(kind: str, rank: int, world: int, master: str, listen: str) 
         await group.close()
 
 
+# -- a parameter-server shard and its worker ------------------------------------------
+
+#: SGD steps the worker pushes; tensors of 2 MiB in chunks of 512 KiB.
+PS_STEPS = 3
+PS_LR = 0.1
+
+
+async def shard_main(url: str) -> None:
+    """A shard; at SIGTERM it reports where its chunks live and what it applied."""
+    from tensorwire import ps
+
+    server = await ps.serve(url)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    report(address=server.addresses[0])
+    await stop.wait()
+    store = server.shard.store
+    values = [] if store is None else [entry.value for entry in store.entries.values()]
+    lib = KINDS["cupy"]()
+    on_device = [lib.is_kind(v) and device_memory(lib.pointer(v)) for v in values]
+    report(check="the shard holds every chunk in device memory, as CuPy arrays",
+           ok=bool(values) and all(on_device), chunks=len(values))
+    report(check="the shard applied every push", ok=store is not None
+           and store.updates == PS_STEPS, updates=None if store is None else store.updates)
+    await server.close(checkpoint=False)
+
+
+def ps_host_values(step: int) -> dict[str, np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(step)
+    return {"w": rng.standard_normal((1024, 512)).astype(np.float32),
+            "b": rng.standard_normal(512).astype(np.float32)}
+
+
+async def ps_worker(address: str) -> None:
+    """Init CuPy parameters, push CuPy gradients with SGD; compare with the host."""
+    from tensorwire import ps
+
+    lib = KINDS["cupy"]()
+    client = await ps.connect([address], worker=0, num_workers=1,
+                              optimizer=ps.SGD(lr=PS_LR), config=ps.PSConfig(chunk_bytes=512 << 10))
+    try:
+        want = ps_host_values(0)
+        got = await client.init({k: lib.from_host(v) for k, v in want.items()})
+        report(check="init returns the parameters as CuPy arrays on the device",
+               ok=all(lib.is_kind(v) and device_memory(lib.pointer(v)) for v in got.values()))
+        for step in range(1, PS_STEPS + 1):
+            grads = ps_host_values(step)
+            pulled = await client.push_pull({k: lib.from_host(v) for k, v in grads.items()})
+            want = {k: want[k] + np.multiply(grads[k], -PS_LR, dtype=np.float32) for k in want}
+            close = all(np.allclose(lib.to_host(pulled[k]), want[k], rtol=1e-6, atol=1e-6)
+                        for k in want)
+            report(check=f"step {step}: the pulled CuPy parameters equal SGD on the host",
+                   ok=close and all(lib.is_kind(v) and v.shape == want[k].shape
+                                    for k, v in pulled.items()))
+    finally:
+        await client.close()
+
+
 def main(argv: list[str]) -> None:
     if "--no-cupy" in argv:
         argv = [a for a in argv if a != "--no-cupy"]
@@ -323,6 +381,10 @@ def main(argv: list[str]) -> None:
         asyncio.run(sink(args[0]))
     elif role == "source":
         asyncio.run(source(args[0], args[1].split(",")))
+    elif role == "shard":
+        asyncio.run(shard_main(args[0]))
+    elif role == "ps-worker":
+        asyncio.run(ps_worker(args[0]))
     elif role == "rank":
         kind, rank, world, master, listen = args
         asyncio.run(rank_main(kind, int(rank), int(world), master, listen))
