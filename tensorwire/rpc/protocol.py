@@ -451,6 +451,12 @@ class ClientHandshake:
             self._server_nonce = message.nonce
             self.max_concurrent = message.max_concurrent
             if not message.auth:
+                if self._secret is not None:
+                    # Authentication is mutual: a server that does not ask
+                    # for our proof cannot give its own, and may be anyone.
+                    raise Unauthenticated(
+                        "the server did not prove it knows the shared secret "
+                        "(it asked for no authentication)")
                 self.done = True
                 return None
             if self._secret is None:
