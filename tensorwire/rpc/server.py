@@ -218,11 +218,17 @@ class Server:
                 refused.append(error)
 
         conn.refuse_oversized(refused_early)
+        timeout = self.config.heartbeat_timeout
         try:
-            name = await asyncio.wait_for(self._handshake(conn), self.config.heartbeat_timeout)
-        except (TimeoutError, TensorwireError) as exc:
+            name = await asyncio.wait_for(self._handshake(conn), timeout)
+        except TimeoutError:
+            logger.warning("handshake with %s failed: no hello within %s s",
+                           conn.peer_address, timeout)
+            conn.abort()
+            return
+        except TensorwireError as exc:
             if not isinstance(exc, ConnectionClosedError):
-                logger.warning("handshake with %s failed: %s", conn.peer_address, exc or "timeout")
+                logger.warning("handshake with %s failed: %s", conn.peer_address, exc)
             conn.abort()
             return
         if name is None:

@@ -337,7 +337,7 @@ class FrameReader:
             assert self._target is not None and self._refused is not None
             self._refused.head = bytes(self._target)
             self._target = None
-            self._skip_done()
+            self._report_refused()
             return
         if self._state == _State.TABLE:
             assert self._target is not None
@@ -390,15 +390,20 @@ class FrameReader:
         else:
             if head == 0:
                 error.head = b""
-            self._skip_done()
+            self._report_refused()
 
-    def _skip_done(self) -> None:
-        if self._skip_left:
-            return
+    def _report_refused(self) -> None:
+        """The refusal is known (and its head kept): report it now, not
+        after the skipped bytes, which may never come (a peer announcing
+        2**40 bytes before its hello is then dropped at once)."""
         error, self._refused = self._refused, None
         assert error is not None
         self.events.append(Refused(error))
-        self._state = _State.PRELUDE
+        self._skip_done()
+
+    def _skip_done(self) -> None:
+        if not self._skip_left:
+            self._state = _State.PRELUDE
 
     def _take_small(self) -> bool:
         """Take every small message of one frame already whole in the
@@ -482,8 +487,8 @@ class FrameReader:
                     table = staging[self._start : self._start + size]
                     self._start += size
                     self._parse_table(table, nframes)
-                    if self._state == _State.SKIP:
-                        continue
+                    if self._state != _State.ALLOCATE:
+                        continue  # refused: skipping, or skipped already
                     return
                 self._target = memoryview(bytearray(size))
                 self._pos = 0
