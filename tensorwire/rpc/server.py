@@ -279,7 +279,8 @@ class _Session:
         self.calls: dict[int, _Call] = {}
         self.channel = Channel(conn, self._on_message, self._on_close,
                                heartbeat_timeout=server.config.heartbeat_timeout,
-                               on_refused=self._on_refused)
+                               on_refused=self._on_refused,
+                               max_unsent=server.config.transport.max_unsent_bytes)
         self._accepting = True
         self._done = asyncio.Event()
         # What every call looks up, fixed for the server's life.

@@ -19,6 +19,8 @@ from ._pool import POOL_MIN_BYTES, buffer_pool
 from .config import Limits
 
 __all__ = (
+    "READ_BUDGET_BYTES",
+    "READ_BUDGET_MESSAGES",
     "Allocator",
     "Connection",
     "ConnectionHandler",
@@ -30,6 +32,15 @@ __all__ = (
 logger = logging.getLogger(__name__)
 
 Device = Literal["cpu", "cuda"]
+#: Fairness: one read callback of a connection hands out at most this many
+#: messages (the consumer's work on them, such as RPC handlers run inline,
+#: happens inside the callback) and reads at most about this many bytes,
+#: then gives the event loop back; the rest follows on a later turn. A peer
+#: that pipelines at full speed otherwise keeps the loop from every other
+#: connection, timer and accept (issue 21).
+READ_BUDGET_MESSAGES = 64
+READ_BUDGET_BYTES = 1 << 20
+
 #: Host frames are writable NumPy uint8 arrays aligned to this many bytes, so
 #: that any dtype (and AVX-512 loads) can view them without a copy.
 ALIGNMENT = 64
@@ -474,6 +485,20 @@ class Connection(abc.ABC):
         the connection.
         """
         return False
+
+    def pause_reading(self) -> bool:
+        """Hand out no more messages, and read no more from the peer, until
+        :meth:`resume_reading`: a consumer whose output to this peer is
+        backed up stops taking its requests (asyncio's ``pause_reading``,
+        HTTP/2 flow control). What already arrived stays queued, bounded by
+        one read. Safe to call twice. Returns False where the transport
+        cannot pause (inproc://, whose sender waits on a bounded queue
+        anyway)."""
+        return False
+
+    def resume_reading(self) -> None:
+        """Undo :meth:`pause_reading`; safe to call when not paused."""
+        return None
 
     def refuse_oversized(self, on_refused: Callable[[LimitExceededError], None]) -> bool:
         """Skip later messages beyond the limits instead of ending the connection.

@@ -116,6 +116,11 @@ class TransportConfig:
         ucx: options for ucx://.
         inproc_queue: messages an inproc:// peer may queue before ``send``
             waits.
+        max_unsent_bytes: the most output a connection's consumer (an RPC
+            client or server) queues for a peer that does not read it; over
+            it, the consumer stops reading that peer's messages until its
+            unsent output is down to a quarter of it. A message larger
+            than this still goes out: the bound is then that message.
     """
 
     limits: Limits = Limits()
@@ -129,6 +134,7 @@ class TransportConfig:
     ssl_server_hostname: str | None = None
     ucx: UCXOptions = UCXOptions()
     inproc_queue: int = 64
+    max_unsent_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "handshake_timeout", "close_timeout"):
@@ -141,3 +147,7 @@ class TransportConfig:
                 raise ConfigError(f"TransportConfig.{name} must be a positive int or None")
         if self.inproc_queue < 1:
             raise ConfigError("TransportConfig.inproc_queue must be at least 1")
+        value = self.max_unsent_bytes
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"TransportConfig.max_unsent_bytes must be a positive int, "
+                              f"got {value!r}")

@@ -24,7 +24,15 @@ import ssl
 from typing import Any, cast
 
 from ..errors import ConnectionClosedError, TensorwireError, TransportError
-from ._base import Allocator, Connection, ConnectionHandler, Listener, serve_connection
+from ._base import (
+    READ_BUDGET_BYTES,
+    READ_BUDGET_MESSAGES,
+    Allocator,
+    Connection,
+    ConnectionHandler,
+    Listener,
+    serve_connection,
+)
 from ._registry import Backend, format_host_port, parse_host_port
 from ._stream import StreamConnection
 from ._wire import HANDSHAKE
@@ -110,6 +118,11 @@ class SocketConnection(StreamConnection):
     def _on_readable(self) -> None:
         sock = self._sock
         reader = self._reader
+        self._budget = READ_BUDGET_MESSAGES
+        # Fairness (READ_BUDGET_BYTES): reading goes on while each read fills
+        # its buffer, but only so far; the rest waits for the next turn (the
+        # socket stays registered: it is readable then still).
+        left = READ_BUDGET_BYTES
         while sock is not None:
             if not self._after_read():
                 self._pause_reading()
@@ -132,9 +145,10 @@ class SocketConnection(StreamConnection):
                 self._fail(exc)
                 return
             self._note_progress(n)
-            if n < len(buffer):
-                # The socket is most likely drained; skip the recv() that
-                # would only say EAGAIN.
+            left -= n
+            if n < len(buffer) or left <= 0:
+                # The socket is most likely drained (skip the recv() that
+                # would only say EAGAIN), or this turn's share is read.
                 if self._after_read():
                     return
                 self._pause_reading()
@@ -250,6 +264,7 @@ class TLSConnection(StreamConnection, asyncio.BufferedProtocol):
         return self._reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._budget = READ_BUDGET_MESSAGES
         try:
             self._reader.buffer_updated(nbytes)
         except TensorwireError as exc:
