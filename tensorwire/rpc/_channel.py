@@ -306,6 +306,13 @@ class Channel:
         current = asyncio.current_task()
         pending = [t for t in self._tasks if t is not current]
         await asyncio.gather(*pending, return_exceptions=True)
+        # The channel is done: let go of its tasks and of the session's
+        # callbacks, which refer back to it, so that a closed connection's
+        # objects go by reference counting alone (issue 21).
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._on_message = _ignore_message
+        self._on_refused = None
+        self._on_close = _ignore_close
 
     async def _read_loop(self) -> None:
         conn = self.conn
@@ -317,7 +324,9 @@ class Channel:
         except TensorwireError as exc:
             if not isinstance(exc, ConnectionClosedError):
                 logger.warning("closing connection to %s: %s", conn.peer_address, exc)
-            self.close_with(exc)
+            # Kept without its traceback, whose frames would keep this
+            # channel and its connection (a cycle; see wait_closed).
+            self.close_with(exc.with_traceback(None))
 
     def _deliver(self, frames: list[Any]) -> None:
         """Parse one received message and hand it to the session."""
@@ -376,6 +385,14 @@ class Channel:
             if self._ping_interval is not None and now >= next_ping:
                 next_ping = now + self._ping_interval
                 self.send_soon(protocol.Ping(0))
+
+
+def _ignore_message(message: Message, nbytes: int) -> None:
+    pass
+
+
+def _ignore_close(error: TensorwireError) -> None:
+    pass
 
 
 def _fail(waiting: asyncio.Future[None] | None, error: BaseException) -> None:

@@ -144,6 +144,8 @@ class StreamConnection(Connection):
         self._on_refused: Callable[[LimitExceededError], None] | None = None
         # The rest of a message whose sender was cancelled mid-write.
         self._tail: asyncio.Task[None] | None = None
+        # Called once when the connection ends (set by a listener).
+        self.on_end: Callable[[], None] | None = None
         # Set by pause_reading(): no message is handed out, nothing read.
         self._held = False
         # Messages this read callback may still hand out (READ_BUDGET_MESSAGES),
@@ -354,6 +356,19 @@ class StreamConnection(Connection):
             self._handshake.exception()
         self._set_peer_gone()
         self._queue.fail(error)
+        # What the connection held goes now, by reference counting: the
+        # receive buffers, and the consumer's callbacks (they refer back to
+        # it, a cycle only the cycle collector would break).
+        self._reader.release()
+        self._receiver = None
+        self._on_refused = None
+        self.ended()
+
+    def ended(self) -> None:
+        """Call ``on_end`` (once), the connection having ended."""
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     # -- internals -------------------------------------------------------------
 

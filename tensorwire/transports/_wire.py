@@ -242,6 +242,20 @@ class FrameReader:
             return True
         return self._state == _State.PRELUDE and self._end > self._start
 
+    def release(self) -> None:
+        """Drop every buffer: the stream has ended. Frames of a message cut
+        short and the read-ahead buffer then go by reference counting, even
+        while something still refers to the reader (issue 21: a cycle kept
+        80 abandoned 4 MiB messages until the cycle collector ran)."""
+        self._state = _State.CLOSED
+        self._frames, self._views, self._infos = [], [], []
+        self._bounce = {}
+        self._target = None
+        self._refused = None
+        self._staging = memoryview(b"")
+        self._staging_bytes = bytearray()
+        self._start = self._end = 0
+
     def get_buffer(self) -> memoryview:
         """Where the next bytes from the stream should be written."""
         target = self._target

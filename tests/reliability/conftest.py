@@ -33,6 +33,13 @@ def server() -> Iterator[Server]:
         yield running
 
 
+@pytest.fixture(scope="module")
+def gc_off_server() -> Iterator[Server]:
+    """The same server with the cycle collector off (``--gc-off``)."""
+    with spawn_server("--gc-off") as running:
+        yield running
+
+
 @contextlib.contextmanager
 def spawn_server(*args: str) -> Iterator[Server]:
     """The server process of tests/reliability/_server.py, with ``args``."""
