@@ -145,11 +145,15 @@ def _table_size(nframes: int) -> int:
 
 
 def _control_config(config: TransportConfig) -> TransportConfig:
+    # The control connection lives as long as its ucx:// connection: the
+    # tcp:// listener's caps on it are the ucx:// listener's.
     return TransportConfig(
         limits=_CONTROL_LIMITS,
         connect_timeout=config.connect_timeout,
         handshake_timeout=config.handshake_timeout,
         close_timeout=config.close_timeout,
+        max_connections=config.max_connections,
+        max_pending_connections=config.max_pending_connections,
     )
 
 

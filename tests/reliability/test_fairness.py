@@ -23,9 +23,11 @@ from .conftest import ROOT, Server
 
 GOOD = ClientConfig(timeout=1.0, heartbeat_interval=0.25, heartbeat_timeout=1.0,
                     reconnect_attempts=1)
-#: The latency floor that scheduling noise alone reaches on a loaded 2-core
-#: VM: a p99 below it is not starvation, whatever the unloaded p99 was.
-NOISE_FLOOR = 0.05
+#: The latency that scheduling noise alone reaches on a loaded 2-core VM,
+#: with three busy processes (server, greedy client, this test) on it: a
+#: p99 below it is not starvation, whatever the unloaded p99 was. (Measured:
+#: 3.6 to 57 ms beside the greedy client; starved, calls took seconds.)
+NOISE_FLOOR = 0.25
 
 
 async def _latencies(client: tw.Client, seconds: float, failures: list[str]) -> list[float]:

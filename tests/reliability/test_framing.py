@@ -62,6 +62,8 @@ async def test_a_huge_frame_before_the_hello_is_dropped_at_once_every_time(
                 took.append(await _closed_after(sock, 5.0))
     finally:
         await server.close()
+    print(f"2**40-byte frame before the hello: 6 of 6 connections dropped within "
+          f"{max(took) * 1e3:.1f} ms")
     # The hello timeout here is 3 s; "at once" is well under it.
     assert max(took) < 1.0, took
     reasons = [r.getMessage() for r in caplog.records if "1099511627776" in r.getMessage()]
