@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import LimitExceededError, ProtocolError
+from ..errors import LimitExceededError, ProtocolError, TensorwireError, TransportError
 from ._base import (
     ALIGNMENT,
     FrameInfo,
@@ -209,7 +209,9 @@ class FrameReader:
         self._announced_bytes = 0
         self._slab = False
         self._frames: list[Any] = []
-        self._views: list[memoryview] = []
+        # A frame's view is None until it is allocated (_open_frame).
+        self._views: list[memoryview | None] = []
+        self._allocator: Any = None
         self._bounce: dict[int, Any] = {}
         self._index = 0
 
@@ -249,6 +251,7 @@ class FrameReader:
         80 abandoned 4 MiB messages until the cycle collector ran)."""
         self._state = _State.CLOSED
         self._frames, self._views, self._infos = [], [], []
+        self._allocator = None
         self._bounce = {}
         self._target = None
         self._refused = None
@@ -257,8 +260,18 @@ class FrameReader:
         self._start = self._end = 0
 
     def get_buffer(self) -> memoryview:
-        """Where the next bytes from the stream should be written."""
+        """Where the next bytes from the stream should be written.
+
+        Raises:
+            TensorwireError: the next bytes are a frame's, and allocating it
+                failed (see ``_open_frame``).
+        """
         target = self._target
+        if target is None and self._state == _State.FRAMES and self._start == self._end:
+            # The next bytes are the next frame's: allocate it, so that they
+            # land in it straight away.
+            target = self._target = self._open_frame()
+            self._pos = 0
         if target is not None and self._start == self._end:
             remaining = len(target) - self._pos
             if remaining >= DIRECT_MIN:
@@ -289,13 +302,15 @@ class FrameReader:
         if self._state != _State.ALLOCATE:
             raise RuntimeError("no message is waiting for allocation")
         infos = self._infos
+        views: list[memoryview | None]
         if allocator is default_allocator and self._slab:
-            frames, views = _slab_frames(infos)
+            frames, slab_views = _slab_frames(infos)
+            views = list(slab_views)
             if self._end - self._start >= self._announced_bytes:
                 # The whole message is already in the read-ahead buffer: copy
                 # it out in one pass (the common case for small RPC messages).
                 staging, start = self._staging, self._start
-                for view in views:
+                for view in slab_views:
                     size = len(view)
                     view[:] = staging[start : start + size]
                     start += size
@@ -306,18 +321,11 @@ class FrameReader:
                 self._process()
                 return
         else:
-            frames, views = [], []
-            for info in infos:
-                buffer = allocator(info)
-                frames.append(buffer)
-                if info.device == "cpu":
-                    views.append(writable_view(buffer, info))
-                else:
-                    # A byte stream cannot write into GPU memory: land the
-                    # frame in host memory and copy it over once complete.
-                    bounce = host_empty(info.nbytes)
-                    self._bounce[info.index] = bounce
-                    views.append(bounce.data)
+            # Each frame is allocated once its first bytes are here
+            # (_open_frame), not now: a peer that announces frames and never
+            # sends them makes us reserve no memory for them.
+            self._allocator = allocator
+            frames, views = [None] * len(infos), [None] * len(infos)
         self._frames = frames
         self._views = views
         self._index = 0
@@ -325,9 +333,42 @@ class FrameReader:
         self._next_frame()
         self._process()
 
+    def _open_frame(self) -> memoryview:
+        """Allocate the frame whose bytes are due; its view to fill.
+
+        Raises:
+            TensorwireError: what the allocator raised, or TransportError
+                for anything else it raised or returned amiss.
+        """
+        index = self._index
+        info = self._infos[index]
+        try:
+            buffer = self._allocator(info)
+        except TensorwireError:
+            raise
+        except Exception as exc:
+            raise TransportError(f"receive allocator failed: {exc!r}") from exc
+        self._frames[index] = buffer
+        if info.device == "cpu":
+            view = writable_view(buffer, info)
+        else:
+            # A byte stream cannot write into GPU memory: land the frame in
+            # host memory and copy it over once complete.
+            bounce = host_empty(info.nbytes)
+            self._bounce[index] = bounce
+            view = bounce.data
+        self._views[index] = view
+        return view
+
     def _next_frame(self) -> None:
-        while self._index < len(self._views):
-            view = self._views[self._index]
+        views = self._views
+        while self._index < len(views):
+            view = views[self._index]
+            if view is None:
+                if self._infos[self._index].nbytes:
+                    self._target = None  # opened once its bytes come (_process)
+                    return
+                view = self._open_frame()  # empty: nothing to wait for
             if len(view):
                 self._target, self._pos = view, 0
                 return
@@ -343,6 +384,7 @@ class FrameReader:
             self._bounce = {}
         self.events.append(self._frames)
         self._frames, self._views, self._infos = [], [], []
+        self._allocator = None
         self._target = None
         self._state = _State.PRELUDE
 
@@ -507,6 +549,11 @@ class FrameReader:
                 self._target = memoryview(bytearray(size))
                 self._pos = 0
                 self._state = _State.TABLE
+            elif state == _State.FRAMES:
+                # The next frame's first bytes are here: allocate it now.
+                if not avail:
+                    return
+                self._target, self._pos = self._open_frame(), 0
             elif state == _State.HANDSHAKE:
                 if avail < len(HANDSHAKE):
                     return

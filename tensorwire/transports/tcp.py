@@ -131,7 +131,11 @@ class SocketConnection(StreamConnection):
             if not self._after_read():
                 self._pause_reading()
                 return
-            buffer = reader.get_buffer()
+            try:
+                buffer = reader.get_buffer()
+            except TensorwireError as exc:  # the receive allocator failed
+                self._fail(exc)
+                return
             try:
                 n = sock.recv_into(buffer)
             except (BlockingIOError, InterruptedError):
@@ -268,9 +272,16 @@ class TLSConnection(StreamConnection, asyncio.BufferedProtocol):
         self.bytes_sent += len(HANDSHAKE)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._reader.get_buffer()
+        if self._error is None:
+            try:
+                return self._reader.get_buffer()
+            except TensorwireError as exc:  # the receive allocator failed
+                self._fail(exc)
+        return memoryview(bytearray(4096))  # failed: what still comes is dropped
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._error is not None:
+            return
         self._budget = READ_BUDGET_MESSAGES
         try:
             self._reader.buffer_updated(nbytes)
