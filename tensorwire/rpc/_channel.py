@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,6 +73,7 @@ class Channel:
         heartbeat_timeout: float,
         ping_interval: float | None = None,
         on_refused: Callable[[Message | None, LimitExceededError], None] | None = None,
+        max_unsent: int = 64 << 20,
     ) -> None:
         self.conn = conn
         self._on_message = on_message
@@ -94,6 +96,14 @@ class Channel:
         # Write a turn's first message at once (see post()).
         self._eager = not conn.coalesces_sends
         self.error: TensorwireError | None = None
+        # Backpressure (see _count_unsent): bytes posted and not yet
+        # written, those of them in the outbox, and whether reading is
+        # paused over them.
+        self._unsent = 0
+        self._outbox_bytes = 0
+        self._high_water = max_unsent
+        self._low_water = max_unsent // 4
+        self.reading_paused = False
 
     @property
     def closed(self) -> bool:
@@ -142,6 +152,12 @@ class Channel:
         first frame is bytes, as every encoder of ``protocol`` makes it."""
         if self.error is not None:
             raise _unavailable(self.error)
+        # frames_nbytes() of a small message, inlined.
+        nbytes = len(frames[0]) if len(frames) == 1 else frames_nbytes(frames)
+        self._outbox_bytes += nbytes
+        self._unsent += nbytes
+        if self._unsent > self._high_water and not self.reading_paused:
+            self._pause_reading()
         outbox = self._outbox
         outbox.append(frames)
         if self._writing is None:
@@ -151,9 +167,25 @@ class Channel:
                     self._flush()
             elif len(outbox) >= BATCH:
                 self._flush()
-        if len(frames) == 1:  # frames_nbytes() of a small message, inlined
-            return len(frames[0])
-        return frames_nbytes(frames)
+        return nbytes
+
+    def _pause_reading(self) -> None:
+        """Our output to the peer is over the bound: take no more of its
+        messages (each may add a reply) until it is under the low-water
+        mark. A peer that never reads so holds at most the bound."""
+        self.reading_paused = True
+        logger.debug("%s: %d bytes unsent, reading paused", self.conn.peer_address,
+                     self._unsent)
+        self.conn.pause_reading()
+
+    def _sent(self, nbytes: int) -> None:
+        """``nbytes`` of the posted output went out (or were dropped)."""
+        self._unsent -= nbytes
+        if self.reading_paused and self._unsent <= self._low_water:
+            self.reading_paused = False
+            self._last_seen = self._loop.time()  # we were not listening
+            if self.error is None:
+                self.conn.resume_reading()
 
     def _post(self, message: Message) -> list[Any]:
         frames = protocol.encode(message)
@@ -193,6 +225,7 @@ class Channel:
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
         flushed, self._flushed = self._flushed, None
+        nbytes, self._outbox_bytes = self._outbox_bytes, 0
         try:
             writing = self.conn.send_nowait(batch)
         except TensorwireError as exc:
@@ -202,13 +235,15 @@ class Channel:
             self.close_with(exc)
             return
         if writing is None:
+            self._sent(nbytes)
             if flushed is not None:
                 flushed.set_result(None)
             return
         self._writing, self._writing_flushed = writing, flushed
-        writing.add_done_callback(self._written)
+        writing.add_done_callback(functools.partial(self._written, nbytes))
 
-    def _written(self, writing: asyncio.Future[None]) -> None:
+    def _written(self, nbytes: int, writing: asyncio.Future[None]) -> None:
+        self._sent(nbytes)
         flushed, self._writing, self._writing_flushed = self._writing_flushed, None, None
         error = (ConnectionClosedError("send cancelled") if writing.cancelled()
                  else writing.exception())
@@ -225,6 +260,8 @@ class Channel:
     def _fail_queued(self, error: TensorwireError) -> None:
         """Whoever waits for a message that now cannot go learns why."""
         self._outbox = []
+        self._unsent -= self._outbox_bytes
+        self._outbox_bytes = 0
         _fail(self._flushed, error)
         _fail(self._writing_flushed, error)
         self._flushed = self._writing_flushed = None
@@ -248,6 +285,7 @@ class Channel:
             self.error = ConnectionClosedError("closed by this side")
             outbox, flushed = self._outbox, self._flushed
             self._outbox, self._flushed = [], None
+            self._outbox_bytes = 0
             if outbox:
                 # What was queued still goes out, before the goodbye.
                 try:
@@ -268,6 +306,13 @@ class Channel:
         current = asyncio.current_task()
         pending = [t for t in self._tasks if t is not current]
         await asyncio.gather(*pending, return_exceptions=True)
+        # The channel is done: let go of its tasks and of the session's
+        # callbacks, which refer back to it, so that a closed connection's
+        # objects go by reference counting alone (issue 21).
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._on_message = _ignore_message
+        self._on_refused = None
+        self._on_close = _ignore_close
 
     async def _read_loop(self) -> None:
         conn = self.conn
@@ -279,7 +324,9 @@ class Channel:
         except TensorwireError as exc:
             if not isinstance(exc, ConnectionClosedError):
                 logger.warning("closing connection to %s: %s", conn.peer_address, exc)
-            self.close_with(exc)
+            # Kept without its traceback, whose frames would keep this
+            # channel and its connection (a cycle; see wait_closed).
+            self.close_with(exc.with_traceback(None))
 
     def _deliver(self, frames: list[Any]) -> None:
         """Parse one received message and hand it to the session."""
@@ -328,7 +375,9 @@ class Channel:
             # silence.
             seen = max(self._last_seen, self.conn.last_activity or 0.0)
             silent = now - seen
-            if silent > self._timeout:
+            # Paused over our own unsent output, we do not listen: the peer
+            # is not silent, and it goes when a write to it fails.
+            if silent > self._timeout and not self.reading_paused:
                 self.close_with(
                     Unavailable(f"{self.conn.peer_address} was silent for {silent:.1f} s")
                 )
@@ -336,6 +385,14 @@ class Channel:
             if self._ping_interval is not None and now >= next_ping:
                 next_ping = now + self._ping_interval
                 self.send_soon(protocol.Ping(0))
+
+
+def _ignore_message(message: Message, nbytes: int) -> None:
+    pass
+
+
+def _ignore_close(error: TensorwireError) -> None:
+    pass
 
 
 def _fail(waiting: asyncio.Future[None] | None, error: BaseException) -> None:

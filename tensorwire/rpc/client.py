@@ -204,6 +204,7 @@ class _Session:
             heartbeat_timeout=config.heartbeat_timeout,
             ping_interval=config.heartbeat_interval,
             on_refused=self._on_refused,
+            max_unsent=config.transport.max_unsent_bytes,
         )
         self.channel.start()
 

@@ -331,8 +331,9 @@ def _parse_request(view: memoryview | bytearray, frames: Sequence[Any]) -> Reque
         method = str(view[_REQUEST_SIZE : start], "utf-8")
     except UnicodeDecodeError:
         raise ProtocolError("REQUEST method name is not UTF-8") from None
-    if call_id >= 1 << 63:
-        raise ProtocolError(f"bad call id {call_id}")
+    if not 0 < call_id < 1 << 63:
+        # 0 is the connection's own (HELLO, PING, ...), never a call's.
+        raise ProtocolError(f"bad call id {call_id} for a REQUEST (0 is reserved)")
     value = [view[start:]]
     if len(frames) > 1:
         value += frames[1:]
@@ -475,6 +476,12 @@ class ClientHandshake:
             self._server_nonce = message.nonce
             self.max_concurrent = message.max_concurrent
             if not message.auth:
+                if self._secret is not None:
+                    # Authentication is mutual: a server that does not ask
+                    # for our proof cannot give its own, and may be anyone.
+                    raise Unauthenticated(
+                        "the server did not prove it knows the shared secret "
+                        "(it asked for no authentication)")
                 self.done = True
                 return None
             if self._secret is None:

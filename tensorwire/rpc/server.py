@@ -218,11 +218,17 @@ class Server:
                 refused.append(error)
 
         conn.refuse_oversized(refused_early)
+        timeout = self.config.heartbeat_timeout
         try:
-            name = await asyncio.wait_for(self._handshake(conn), self.config.heartbeat_timeout)
-        except (TimeoutError, TensorwireError) as exc:
+            name = await asyncio.wait_for(self._handshake(conn), timeout)
+        except TimeoutError:
+            logger.warning("handshake with %s failed: no hello within %s s",
+                           conn.peer_address, timeout)
+            conn.abort()
+            return
+        except TensorwireError as exc:
             if not isinstance(exc, ConnectionClosedError):
-                logger.warning("handshake with %s failed: %s", conn.peer_address, exc or "timeout")
+                logger.warning("handshake with %s failed: %s", conn.peer_address, exc)
             conn.abort()
             return
         if name is None:
@@ -273,7 +279,8 @@ class _Session:
         self.calls: dict[int, _Call] = {}
         self.channel = Channel(conn, self._on_message, self._on_close,
                                heartbeat_timeout=server.config.heartbeat_timeout,
-                               on_refused=self._on_refused)
+                               on_refused=self._on_refused,
+                               max_unsent=server.config.transport.max_unsent_bytes)
         self._accepting = True
         self._done = asyncio.Event()
         # What every call looks up, fixed for the server's life.

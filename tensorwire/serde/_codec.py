@@ -33,6 +33,7 @@ from . import _buffers, _dtypes, _numpy
 from ._format import (
     ARRAY_HEAD,
     ARRAY_HEAD_SIZE,
+    BUFFER_REF,
     BYTES_INLINE,
     BYTES_OUT_OF_BAND,
     COMPLEX,
@@ -57,7 +58,6 @@ from ._format import (
     PREFIX,
     PREFIX_SIZE,
     PREFIX_STRUCT,
-    U32,
     U64,
     UnsupportedValueError,
     as_memoryview,
@@ -125,8 +125,9 @@ class Encoder:
     ``memoryview`` for host data, an object with ``__cuda_array_interface__``
     for device data), ready for ``socket.sendmsg``; the caller must not modify
     the value until the buffers are sent. Exactly one copy is made of a
-    non-contiguous array or tensor (to compact it); C- and F-contiguous arrays
-    are never copied unless smaller than ``inline_threshold``.
+    non-contiguous array or tensor (to compact it; a broadcast array in full,
+    unless ``limits.broadcast``); C- and F-contiguous arrays are never copied
+    unless smaller than ``inline_threshold``.
 
     An Encoder is not thread-safe (it reuses one msgpack Packer); use one per
     thread. The module-level :func:`encode` keeps one per thread for you.
@@ -180,8 +181,8 @@ class Encoder:
             bytearray: self._enc_bytearray,
             memoryview: self._enc_memoryview,
             complex: self._enc_complex,
-            np.ndarray: _numpy.ndarray_encoder(inline_threshold),
-            np.memmap: _numpy.ndarray_encoder(inline_threshold),
+            np.ndarray: _numpy.ndarray_encoder(inline_threshold, self._limits.broadcast),
+            np.memmap: _numpy.ndarray_encoder(inline_threshold, self._limits.broadcast),
         }
         for scalar_type in set(np.sctypeDict.values()):
             handlers[scalar_type] = self._enc_npscalar
@@ -427,7 +428,7 @@ class Encoder:
             return b  # msgpack bin, inline
         ref = len(bufs)
         bufs.append(memoryview(b))
-        return ExtType(EXT_BYTES, U32.pack(ref))
+        return ExtType(EXT_BYTES, BUFFER_REF.pack(ref, len(b)))
 
     def _enc_bytes_like(self, code: int, mv: memoryview, bufs: list[Any]) -> ExtType:
         if not mv.c_contiguous:
@@ -438,7 +439,7 @@ class Encoder:
             return ExtType(code, bytes((BYTES_INLINE,)) + mv.tobytes())
         ref = len(bufs)
         bufs.append(mv)
-        return ExtType(code, bytes((BYTES_OUT_OF_BAND,)) + U32.pack(ref))
+        return ExtType(code, bytes((BYTES_OUT_OF_BAND,)) + BUFFER_REF.pack(ref, mv.nbytes))
 
     def _enc_bytearray(self, b: bytearray, bufs: list[Any], depth: int) -> ExtType:
         return self._enc_bytes_like(EXT_BYTEARRAY, memoryview(b), bufs)
@@ -542,7 +543,9 @@ class Decoder:
 
     Args:
         registry: user types; default: the registry :func:`register` fills.
-        limits: bounds on depth, header size, buffers and array size.
+        limits: bounds on depth, header size, buffers and array size;
+            broadcast (zero-stride) arrays are refused unless
+            ``limits.broadcast``.
     """
 
     __slots__ = (
@@ -767,11 +770,10 @@ class Decoder:
         if code == EXT_TUPLE:
             return tuple(self._nested(data, "tuple"))
         if code == EXT_BYTES:
-            if len(data) != 4:
-                raise DecodeError("bytes reference must be a 4-byte buffer index")
-            ref = U32.unpack(data)[0]
-            host, _ = _buffers.host_bytes(self._take(ref), ref)
-            return host.tobytes()  # bytes are immutable: one copy, documented
+            if len(data) != BUFFER_REF.size:
+                raise DecodeError("bytes reference must be a 4-byte buffer index and an "
+                                  "8-byte length")
+            return self._referenced_bytes(data, 0).tobytes()  # immutable: one copy
         if code in (EXT_BYTEARRAY, EXT_MEMORYVIEW):
             return self._decode_bytes_like(code, data)
         if code == EXT_COMPLEX:
@@ -812,16 +814,25 @@ class Decoder:
         if mode == BYTES_INLINE:
             raw = bytearray(memoryview(data)[1:])
         elif mode == BYTES_OUT_OF_BAND:
-            if len(data) != 5:
-                raise DecodeError("bytearray/memoryview reference must be a 4-byte buffer index")
-            ref = U32.unpack_from(data, 1)[0]
-            host, _ = _buffers.host_bytes(self._take(ref), ref)
+            if len(data) != 1 + BUFFER_REF.size:
+                raise DecodeError("bytearray/memoryview reference must be a 4-byte buffer "
+                                  "index and an 8-byte length")
+            host = self._referenced_bytes(data, 1)
             if code == EXT_MEMORYVIEW:
                 return as_memoryview(host)  # a view of the received buffer
             return bytearray(host)  # bytearray owns its memory: one copy
         else:
             raise DecodeError(f"unknown bytes mode {mode}")
         return raw if code == EXT_BYTEARRAY else memoryview(raw)
+
+    def _referenced_bytes(self, data: bytes, offset: int) -> np.ndarray[Any, Any]:
+        """The buffer a BUFFER_REF at ``offset`` names, checked against its length."""
+        ref, declared = BUFFER_REF.unpack_from(data, offset)
+        host, _ = _buffers.host_bytes(self._take(ref), ref)
+        if host.nbytes != declared:
+            raise DecodeError(f"buffer {ref} has {host.nbytes} bytes, the header declares "
+                              f"{declared}")
+        return host
 
     def _decode_registered(self, data: bytes) -> Any:
         item = self._nested(data, "registered value")
@@ -856,6 +867,10 @@ class Decoder:
         shape: tuple[int, ...] = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
         stored_shape = shape
         if flags & FLAG_BROADCAST:
+            if not self._limits.broadcast:
+                raise DecodeError(
+                    f"a broadcast (zero-stride) array of shape {shape} is refused: its few "
+                    "bytes claim the whole shape (Limits(broadcast=True) accepts it)")
             if size < offset + 8:
                 raise DecodeError("array descriptor is truncated (broadcast mask)")
             mask = U64.unpack_from(data, offset)[0]

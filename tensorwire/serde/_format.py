@@ -15,7 +15,9 @@ from msgpack import ExtType
 
 #: Magic bytes that open every header, followed by the format version byte.
 MAGIC: Final = b"TWS"
-VERSION: Final = 1
+#: 2: an out-of-band BYTES, BYTEARRAY or MEMORYVIEW names its length (1: only
+#: its buffer index, so a short buffer decoded silently as shorter bytes).
+VERSION: Final = 2
 PREFIX: Final = MAGIC + bytes((VERSION,))
 #: ``PREFIX`` + ``u32`` number of out-of-band buffers, then the msgpack body.
 PREFIX_STRUCT: Final = struct.Struct("<4sI")
@@ -40,6 +42,8 @@ BYTES_OUT_OF_BAND: Final = 1
 ARRAY_HEAD: Final = struct.Struct("<BBBBHI")
 ARRAY_HEAD_SIZE: Final = ARRAY_HEAD.size  # 10
 U32: Final = struct.Struct("<I")
+#: An out-of-band BYTES, BYTEARRAY or MEMORYVIEW: buffer index, byte length.
+BUFFER_REF: Final = struct.Struct("<IQ")
 U64: Final = struct.Struct("<Q")
 COMPLEX: Final = struct.Struct("<dd")
 

@@ -2,8 +2,8 @@
 
 Encoding never copies a C- or F-contiguous array: the buffer is a byte view of
 its memory. Other layouts are compacted with exactly one copy
-(``np.ascontiguousarray``), except zero-strided (broadcast) axes, which are
-sent once and re-broadcast by the decoder.
+(``np.ascontiguousarray``); zero-strided (broadcast) axes are sent once and
+re-broadcast by the decoder only where ``Limits.broadcast`` allows it.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def byte_view(data: np.ndarray[Any, Any]) -> memoryview:
         return as_memoryview(data.reshape(-1).view(np.uint8))
 
 
-def encode_ndarray(arr: np.ndarray[Any, Any], bufs: list[Any], threshold: int) -> ExtType:
+def encode_ndarray(arr: np.ndarray[Any, Any], bufs: list[Any], threshold: int,
+                   broadcast: bool = False) -> ExtType:
     """Describe ``arr`` as an EXT_ARRAY; append its data to ``bufs`` unless inlined.
+    ``broadcast``: send zero-strided axes once (``Limits.broadcast``).
 
     Raises:
         UnsupportedValueError: the dtype is not whitelisted or ndim > 64.
@@ -80,7 +82,7 @@ def encode_ndarray(arr: np.ndarray[Any, Any], bufs: list[Any], threshold: int) -
     else:
         strides = arr.strides
         for axis, dim in enumerate(shape):
-            if strides[axis] == 0 and dim > 1:
+            if broadcast and strides[axis] == 0 and dim > 1:
                 mask |= 1 << axis
         if mask:
             # Send each broadcast axis once: np.broadcast_to(1.0, (1 << 30,))
@@ -108,8 +110,10 @@ def encode_ndarray(arr: np.ndarray[Any, Any], bufs: list[Any], threshold: int) -
     return new_ext((EXT_ARRAY, head + dims))
 
 
-def ndarray_encoder(threshold: int) -> Callable[[Any, list[Any], int], ExtType]:
-    """An Encoder handler ``(arr, bufs, depth)`` for ``threshold`` (one call, hot path)."""
+def ndarray_encoder(threshold: int,
+                    broadcast: bool = False) -> Callable[[Any, list[Any], int], ExtType]:
+    """An Encoder handler ``(arr, bufs, depth)`` for ``threshold`` and
+    ``broadcast`` (see ``encode_ndarray``; one call, hot path)."""
 
     def handler(arr: Any, bufs: list[Any], depth: int) -> ExtType:
         # The fast path of encode_ndarray, repeated here to save a call per array.
@@ -131,7 +135,7 @@ def ndarray_encoder(threshold: int) -> Callable[[Any, list[Any], int], ExtType]:
             ndim = arr.ndim
             desc = HEAD_AND_DIMS[ndim].pack(KIND_NDARRAY, code, FLAG_INLINE, ndim, 0, 0, *arr.shape)
             return new_ext((EXT_ARRAY, desc + arr.tobytes()))
-        return encode_ndarray(arr, bufs, threshold)
+        return encode_ndarray(arr, bufs, threshold, broadcast)
 
     return handler
 

@@ -8,6 +8,8 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any, Literal
@@ -16,9 +18,12 @@ import numpy as np
 
 from ..errors import ConnectionClosedError, LimitExceededError, TransportError
 from ._pool import POOL_MIN_BYTES, buffer_pool
-from .config import Limits
+from .config import Limits, TransportConfig
 
 __all__ = (
+    "READ_BUDGET_BYTES",
+    "READ_BUDGET_MESSAGES",
+    "Admission",
     "Allocator",
     "Connection",
     "ConnectionHandler",
@@ -30,6 +35,15 @@ __all__ = (
 logger = logging.getLogger(__name__)
 
 Device = Literal["cpu", "cuda"]
+#: Fairness: one read callback of a connection hands out at most this many
+#: messages (the consumer's work on them, such as RPC handlers run inline,
+#: happens inside the callback) and reads at most about this many bytes,
+#: then gives the event loop back; the rest follows on a later turn. A peer
+#: that pipelines at full speed otherwise keeps the loop from every other
+#: connection, timer and accept (issue 21).
+READ_BUDGET_MESSAGES = 64
+READ_BUDGET_BYTES = 1 << 20
+
 #: Host frames are writable NumPy uint8 arrays aligned to this many bytes, so
 #: that any dtype (and AVX-512 loads) can view them without a copy.
 ALIGNMENT = 64
@@ -475,6 +489,20 @@ class Connection(abc.ABC):
         """
         return False
 
+    def pause_reading(self) -> bool:
+        """Hand out no more messages, and read no more from the peer, until
+        :meth:`resume_reading`: a consumer whose output to this peer is
+        backed up stops taking its requests (asyncio's ``pause_reading``,
+        HTTP/2 flow control). What already arrived stays queued, bounded by
+        one read. Safe to call twice. Returns False where the transport
+        cannot pause (inproc://, whose sender waits on a bounded queue
+        anyway)."""
+        return False
+
+    def resume_reading(self) -> None:
+        """Undo :meth:`pause_reading`; safe to call when not paused."""
+        return None
+
     def refuse_oversized(self, on_refused: Callable[[LimitExceededError], None]) -> bool:
         """Skip later messages beyond the limits instead of ending the connection.
 
@@ -544,6 +572,51 @@ async def serve_connection(handler: ConnectionHandler, conn: Connection) -> None
     except Exception:
         logger.exception("connection handler for %s failed", conn.peer_address)
         conn.abort()
+
+
+class Admission:
+    """A listener's count of open and not yet handshaken connections,
+    against ``TransportConfig.max_connections`` and
+    ``max_pending_connections``. A refusal is logged as a warning that names
+    the cap, at most once a second (a flood of refusals is one line a
+    second, with their count)."""
+
+    def __init__(self, config: TransportConfig, address: str) -> None:
+        self._max_open = config.max_connections
+        self._max_pending = config.max_pending_connections
+        self._address = address
+        self.open = 0
+        self.pending = 0
+        self._refused = 0
+        self._logged_at = -math.inf
+
+    def admit(self, peer: str) -> bool:
+        """Count a new connection in; False: refuse it (close it at once)."""
+        if self.open >= self._max_open:
+            reason = (f"{self.open} connections are open "
+                      f"(TransportConfig.max_connections={self._max_open})")
+        elif self.pending >= self._max_pending:
+            reason = (f"{self.pending} connections have not finished their handshake "
+                      f"(TransportConfig.max_pending_connections={self._max_pending})")
+        else:
+            self.open += 1
+            self.pending += 1
+            return True
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= 1.0:
+            logger.warning("refusing a connection from %s on %s: %s (%d refused since the "
+                           "last such line)", peer, self._address, reason, self._refused)
+            self._logged_at, self._refused = now, 0
+        return False
+
+    def handshaken(self) -> None:
+        """An admitted connection finished (or failed) its handshake."""
+        self.pending -= 1
+
+    def closed(self) -> None:
+        """An admitted connection ended."""
+        self.open -= 1
 
 
 class Listener(abc.ABC):

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import ConnectionClosedError, LimitExceededError, TensorwireError, TransportError
 from ._base import (
+    READ_BUDGET_MESSAGES,
     Allocator,
     Connection,
     RecvQueue,
@@ -147,6 +148,14 @@ class StreamConnection(Connection):
         self._on_refused: Callable[[LimitExceededError], None] | None = None
         # The rest of a message whose sender was cancelled mid-write.
         self._tail: asyncio.Task[None] | None = None
+        # Called once when the connection ends (set by a listener).
+        self.on_end: Callable[[], None] | None = None
+        # Set by pause_reading(): no message is handed out, nothing read.
+        self._held = False
+        # Messages this read callback may still hand out (READ_BUDGET_MESSAGES),
+        # and whether a later turn was asked to go on (see _pump).
+        self._budget = READ_BUDGET_MESSAGES
+        self._yielded = False
 
     # -- Connection API ------------------------------------------------------
 
@@ -245,6 +254,17 @@ class StreamConnection(Connection):
         if self._error is None:
             self._kick()
         return True
+
+    def pause_reading(self) -> bool:
+        # The next _pump() stops, and with it the driver's reading.
+        self._held = True
+        return True
+
+    def resume_reading(self) -> None:
+        if self._held:
+            self._held = False
+            if self._error is None:
+                self._kick()
 
     def refuse_oversized(self, on_refused: Callable[[LimitExceededError], None]) -> bool:
         self._on_refused = on_refused
@@ -345,6 +365,19 @@ class StreamConnection(Connection):
             self._handshake.exception()
         self._set_peer_gone()
         self._queue.fail(error)
+        # What the connection held goes now, by reference counting: the
+        # receive buffers, and the consumer's callbacks (they refer back to
+        # it, a cycle only the cycle collector would break).
+        self._reader.release()
+        self._receiver = None
+        self._on_refused = None
+        self.ended()
+
+    def ended(self) -> None:
+        """Call ``on_end`` (once), the connection having ended."""
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     # -- internals -------------------------------------------------------------
 
@@ -362,11 +395,28 @@ class StreamConnection(Connection):
         closed.__cause__ = error
         return closed
 
+    def _go_on(self) -> None:
+        """A later turn's share of the work a read callback left (see _pump)."""
+        self._yielded = False
+        self._budget = READ_BUDGET_MESSAGES
+        if self._error is None:
+            self._kick()
+
     def _pump(self) -> bool:
+        if self._held:
+            return False
         reader = self._reader
         events = reader.events
         while True:
             while events:
+                if self._budget <= 0:
+                    # Fairness: give the loop back; a later turn goes on
+                    # (meanwhile the driver does not read).
+                    if not self._yielded:
+                        self._yielded = True
+                        self._loop.call_soon(self._go_on)
+                    return False
+                self._budget -= 1
                 event = events.popleft()
                 if type(event) is not list:
                     if isinstance(event, Refused):
@@ -389,7 +439,7 @@ class StreamConnection(Connection):
                 except Exception as exc:
                     self._fail(consumer_failed(exc, "message receiver", self._peer_address))
                     return False
-                if self._error is not None:
+                if self._error is not None or self._held:
                     return False
             if reader.frames_announced is None:
                 return self._error is None

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import LimitExceededError, ProtocolError
+from ..errors import LimitExceededError, ProtocolError, TensorwireError, TransportError
 from ._base import (
     ALIGNMENT,
     FrameInfo,
@@ -211,7 +211,9 @@ class FrameReader:
         self._announced_bytes = 0
         self._slab = False
         self._frames: list[Any] = []
-        self._views: list[memoryview] = []
+        # A frame's view is None until it is allocated (_open_frame).
+        self._views: list[memoryview | None] = []
+        self._allocator: Any = None
         self._bounce: dict[int, Any] = {}
         self._index = 0
 
@@ -244,9 +246,34 @@ class FrameReader:
             return True
         return self._state == _State.PRELUDE and self._end > self._start
 
+    def release(self) -> None:
+        """Drop every buffer: the stream has ended. Frames of a message cut
+        short and the read-ahead buffer then go by reference counting, even
+        while something still refers to the reader (issue 21: a cycle kept
+        80 abandoned 4 MiB messages until the cycle collector ran)."""
+        self._state = _State.CLOSED
+        self._frames, self._views, self._infos = [], [], []
+        self._allocator = None
+        self._bounce = {}
+        self._target = None
+        self._refused = None
+        self._staging = memoryview(b"")
+        self._staging_bytes = bytearray()
+        self._start = self._end = 0
+
     def get_buffer(self) -> memoryview:
-        """Where the next bytes from the stream should be written."""
+        """Where the next bytes from the stream should be written.
+
+        Raises:
+            TensorwireError: the next bytes are a frame's, and allocating it
+                failed (see ``_open_frame``).
+        """
         target = self._target
+        if target is None and self._state == _State.FRAMES and self._start == self._end:
+            # The next bytes are the next frame's: allocate it, so that they
+            # land in it straight away.
+            target = self._target = self._open_frame()
+            self._pos = 0
         if target is not None and self._start == self._end:
             remaining = len(target) - self._pos
             if remaining >= DIRECT_MIN:
@@ -277,13 +304,15 @@ class FrameReader:
         if self._state != _State.ALLOCATE:
             raise RuntimeError("no message is waiting for allocation")
         infos = self._infos
+        views: list[memoryview | None]
         if allocator is default_allocator and self._slab:
-            frames, views = _slab_frames(infos)
+            frames, slab_views = _slab_frames(infos)
+            views = list(slab_views)
             if self._end - self._start >= self._announced_bytes:
                 # The whole message is already in the read-ahead buffer: copy
                 # it out in one pass (the common case for small RPC messages).
                 staging, start = self._staging, self._start
-                for view in views:
+                for view in slab_views:
                     size = len(view)
                     view[:] = staging[start : start + size]
                     start += size
@@ -294,18 +323,11 @@ class FrameReader:
                 self._process()
                 return
         else:
-            frames, views = [], []
-            for info in infos:
-                buffer = allocator(info)
-                frames.append(buffer)
-                if info.device == "cpu":
-                    views.append(writable_view(buffer, info))
-                else:
-                    # A byte stream cannot write into GPU memory: land the
-                    # frame in host memory and copy it over once complete.
-                    bounce = host_empty(info.nbytes)
-                    self._bounce[info.index] = bounce
-                    views.append(bounce.data)
+            # Each frame is allocated once its first bytes are here
+            # (_open_frame), not now: a peer that announces frames and never
+            # sends them makes us reserve no memory for them.
+            self._allocator = allocator
+            frames, views = [None] * len(infos), [None] * len(infos)
         self._frames = frames
         self._views = views
         self._index = 0
@@ -313,9 +335,42 @@ class FrameReader:
         self._next_frame()
         self._process()
 
+    def _open_frame(self) -> memoryview:
+        """Allocate the frame whose bytes are due; its view to fill.
+
+        Raises:
+            TensorwireError: what the allocator raised, or TransportError
+                for anything else it raised or returned amiss.
+        """
+        index = self._index
+        info = self._infos[index]
+        try:
+            buffer = self._allocator(info)
+        except TensorwireError:
+            raise
+        except Exception as exc:
+            raise TransportError(f"receive allocator failed: {exc!r}") from exc
+        self._frames[index] = buffer
+        if info.device == "cpu":
+            view = writable_view(buffer, info)
+        else:
+            # A byte stream cannot write into GPU memory: land the frame in
+            # host memory and copy it over once complete.
+            bounce = host_empty(info.nbytes)
+            self._bounce[index] = bounce
+            view = bounce.data
+        self._views[index] = view
+        return view
+
     def _next_frame(self) -> None:
-        while self._index < len(self._views):
-            view = self._views[self._index]
+        views = self._views
+        while self._index < len(views):
+            view = views[self._index]
+            if view is None:
+                if self._infos[self._index].nbytes:
+                    self._target = None  # opened once its bytes come (_process)
+                    return
+                view = self._open_frame()  # empty: nothing to wait for
             if len(view):
                 self._target, self._pos = view, 0
                 return
@@ -332,6 +387,7 @@ class FrameReader:
             self._bounce = {}
         self.events.append(self._frames)
         self._frames, self._views, self._infos = [], [], []
+        self._allocator = None
         self._target = None
         self._state = _State.PRELUDE
 
@@ -340,7 +396,7 @@ class FrameReader:
             assert self._target is not None and self._refused is not None
             self._refused.head = bytes(self._target)
             self._target = None
-            self._skip_done()
+            self._report_refused()
             return
         if self._state == _State.TABLE:
             assert self._target is not None
@@ -393,15 +449,20 @@ class FrameReader:
         else:
             if head == 0:
                 error.head = b""
-            self._skip_done()
+            self._report_refused()
 
-    def _skip_done(self) -> None:
-        if self._skip_left:
-            return
+    def _report_refused(self) -> None:
+        """The refusal is known (and its head kept): report it now, not
+        after the skipped bytes, which may never come (a peer announcing
+        2**40 bytes before its hello is then dropped at once)."""
         error, self._refused = self._refused, None
         assert error is not None
         self.events.append(Refused(error))
-        self._state = _State.PRELUDE
+        self._skip_done()
+
+    def _skip_done(self) -> None:
+        if not self._skip_left:
+            self._state = _State.PRELUDE
 
     def _take_small(self) -> bool:
         """Take every small message of one frame already whole in the
@@ -485,12 +546,17 @@ class FrameReader:
                     table = staging[self._start : self._start + size]
                     self._start += size
                     self._parse_table(table, nframes)
-                    if self._state == _State.SKIP:
-                        continue
+                    if self._state != _State.ALLOCATE:
+                        continue  # refused: skipping, or skipped already
                     return
                 self._target = memoryview(bytearray(size))
                 self._pos = 0
                 self._state = _State.TABLE
+            elif state == _State.FRAMES:
+                # The next frame's first bytes are here: allocate it now.
+                if not avail:
+                    return
+                self._target, self._pos = self._open_frame(), 0
             elif state == _State.HANDSHAKE:
                 if avail < len(HANDSHAKE):
                     return

@@ -116,6 +116,17 @@ class TransportConfig:
         ucx: options for ucx://.
         inproc_queue: messages an inproc:// peer may queue before ``send``
             waits.
+        max_unsent_bytes: the most output a connection's consumer (an RPC
+            client or server) queues for a peer that does not read it; over
+            it, the consumer stops reading that peer's messages until its
+            unsent output is down to a quarter of it. A message larger
+            than this still goes out: the bound is then that message.
+        max_connections: the most connections a listener keeps open at
+            once; one beyond it is closed as soon as accepted, with a log
+            line.
+        max_pending_connections: the most accepted connections that have
+            not yet finished the handshake (a slow-loris peer holds one until
+            ``handshake_timeout``); one beyond it is closed at once too.
     """
 
     limits: Limits = Limits()
@@ -129,6 +140,9 @@ class TransportConfig:
     ssl_server_hostname: str | None = None
     ucx: UCXOptions = UCXOptions()
     inproc_queue: int = 64
+    max_unsent_bytes: int = 64 * MiB
+    max_connections: int = 4096
+    max_pending_connections: int = 256
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "handshake_timeout", "close_timeout"):
@@ -141,3 +155,8 @@ class TransportConfig:
                 raise ConfigError(f"TransportConfig.{name} must be a positive int or None")
         if self.inproc_queue < 1:
             raise ConfigError("TransportConfig.inproc_queue must be at least 1")
+        for name in ("max_unsent_bytes", "max_connections", "max_pending_connections"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"TransportConfig.{name} must be a positive int, "
+                                  f"got {value!r}")

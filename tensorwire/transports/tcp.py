@@ -24,7 +24,16 @@ import ssl
 from typing import Any, cast
 
 from ..errors import ConnectionClosedError, TensorwireError, TransportError
-from ._base import Allocator, Connection, ConnectionHandler, Listener, serve_connection
+from ._base import (
+    READ_BUDGET_BYTES,
+    READ_BUDGET_MESSAGES,
+    Admission,
+    Allocator,
+    Connection,
+    ConnectionHandler,
+    Listener,
+    serve_connection,
+)
 from ._registry import Backend, format_host_port, parse_host_port
 from ._stream import StreamConnection
 from ._wire import HANDSHAKE
@@ -68,7 +77,10 @@ def _translate(exc: OSError, what: str) -> TransportError:
         if isinstance(exc, ConnectionError | ssl.SSLError)
         else TransportError(f"{what}: {exc}")
     )
-    error.__cause__ = exc
+    # Without its traceback: the connection keeps the error, and the
+    # traceback's frames would keep the connection and the buffer being
+    # read into (a cycle; the system call's error says all there is).
+    error.__cause__ = exc.with_traceback(None)
     return error
 
 
@@ -110,11 +122,20 @@ class SocketConnection(StreamConnection):
     def _on_readable(self) -> None:
         sock = self._sock
         reader = self._reader
+        self._budget = READ_BUDGET_MESSAGES
+        # Fairness (READ_BUDGET_BYTES): reading goes on while each read fills
+        # its buffer, but only so far; the rest waits for the next turn (the
+        # socket stays registered: it is readable then still).
+        left = READ_BUDGET_BYTES
         while sock is not None:
             if not self._after_read():
                 self._pause_reading()
                 return
-            buffer = reader.get_buffer()
+            try:
+                buffer = reader.get_buffer()
+            except TensorwireError as exc:  # the receive allocator failed
+                self._fail(exc)
+                return
             try:
                 n = sock.recv_into(buffer)
             except (BlockingIOError, InterruptedError):
@@ -132,9 +153,10 @@ class SocketConnection(StreamConnection):
                 self._fail(exc)
                 return
             self._note_progress(n)
-            if n < len(buffer):
-                # The socket is most likely drained; skip the recv() that
-                # would only say EAGAIN.
+            left -= n
+            if n < len(buffer) or left <= 0:
+                # The socket is most likely drained (skip the recv() that
+                # would only say EAGAIN), or this turn's share is read.
                 if self._after_read():
                     return
                 self._pause_reading()
@@ -238,6 +260,9 @@ class TLSConnection(StreamConnection, asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's SSL transport is not an asyncio.Transport subclass.
         self._transport = cast(asyncio.Transport, transport)
+        if self._error is not None:  # refused by the listener (max_connections)
+            self._close_io()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self._local_address = _sockname(sock)
@@ -247,9 +272,17 @@ class TLSConnection(StreamConnection, asyncio.BufferedProtocol):
         self.bytes_sent += len(HANDSHAKE)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._reader.get_buffer()
+        if self._error is None:
+            try:
+                return self._reader.get_buffer()
+            except TensorwireError as exc:  # the receive allocator failed
+                self._fail(exc)
+        return memoryview(bytearray(4096))  # failed: what still comes is dropped
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._error is not None:
+            return
+        self._budget = READ_BUDGET_MESSAGES
         try:
             self._reader.buffer_updated(nbytes)
         except TensorwireError as exc:
@@ -351,6 +384,7 @@ class TCPListener(Listener):
         self._allocator = allocator
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
+        self._admission = Admission(config, self._address)
         if config.ssl_server is None:
             self._loop.add_reader(sock.fileno(), self._on_acceptable)
 
@@ -367,30 +401,41 @@ class TCPListener(Listener):
 
     def _make_tls_protocol(self) -> TLSConnection:
         conn = TLSConnection(self._config, self._allocator)
-        self._spawn(conn)
+        if self._admission.admit("a TLS peer"):
+            self._spawn(conn)
+        else:
+            conn.abort()  # connection_made then closes the transport
         return conn
 
     def _on_acceptable(self) -> None:
         while self._sock is not None:
             try:
-                client, _ = self._sock.accept()
+                client, peer = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 # EMFILE and friends: log and keep the listener alive.
                 logger.warning("accept on %s failed: %s", self._address, exc)
                 return
+            if not self._admission.admit(format_host_port("tcp", peer[0], peer[1])):
+                client.close()
+                continue
             try:
                 _configure(client, self._config)
                 conn = SocketConnection(client, self._config, self._allocator)
             except OSError as exc:
                 logger.warning("dropping new connection on %s: %s", self._address, exc)
                 client.close()
+                self._admission.handshaken()
+                self._admission.closed()
                 continue
             conn.start()
             self._spawn(conn)
 
     def _spawn(self, conn: StreamConnection) -> None:
+        # The connection leaves the count when it ends, which may be long
+        # after its handler returned (a handler may hand it on).
+        conn.on_end = self._admission.closed
         task = self._loop.create_task(self._serve(conn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -406,6 +451,8 @@ class TCPListener(Listener):
                 logger.warning("dropping connection from %s: %s", conn.peer_address, exc)
             conn.abort()
             return
+        finally:
+            self._admission.handshaken()
         await serve_connection(self._on_connection, conn)
 
     async def close(self) -> None:

@@ -86,6 +86,7 @@ from ..errors import (
     TransportError,
 )
 from ._base import (
+    READ_BUDGET_MESSAGES,
     Allocator,
     Connection,
     ConnectionHandler,
@@ -144,11 +145,15 @@ def _table_size(nframes: int) -> int:
 
 
 def _control_config(config: TransportConfig) -> TransportConfig:
+    # The control connection lives as long as its ucx:// connection: the
+    # tcp:// listener's caps on it are the ucx:// listener's.
     return TransportConfig(
         limits=_CONTROL_LIMITS,
         connect_timeout=config.connect_timeout,
         handshake_timeout=config.handshake_timeout,
         close_timeout=config.close_timeout,
+        max_connections=config.max_connections,
+        max_pending_connections=config.max_pending_connections,
     )
 
 
@@ -314,6 +319,8 @@ class UCXConnection(Connection):
         # Set by deliver_to(): messages go there instead of to recv().
         self._receiver: Callable[[list[Any]], None] | None = None
         self._pumping = False
+        # Set by pause_reading(): no receive is posted.
+        self._held = False
         self._frames_bytes = 0
         # Under deliver_to with the default allocator: the largest one-frame
         # inline message taken by the fast path (0: none).
@@ -386,6 +393,15 @@ class UCXConnection(Connection):
             self._hand_over(receiver, ready.popleft())
         self._pump()
         return True
+
+    def pause_reading(self) -> bool:
+        self._held = True
+        return True
+
+    def resume_reading(self) -> None:
+        if self._held:
+            self._held = False
+            self._pump()
 
     async def recv(self, *, allocator: Allocator | None = None) -> list[Any]:
         queue = self._queue
@@ -518,12 +534,13 @@ class UCXConnection(Connection):
         if self._pumping:
             return  # re-entered from a delivery: the loop below goes on
         self._pumping = True
+        budget = READ_BUDGET_MESSAGES
         try:
             while self._error is None and not self._busy:
                 rt = self._rt
                 if rt is None:
                     return
-                wanted = self._receiver is not None or self._queue.waiters
+                wanted = (self._receiver is not None or self._queue.waiters) and not self._held
                 if self._announced is not None:
                     if not wanted:
                         return
@@ -539,6 +556,13 @@ class UCXConnection(Connection):
                     return
                 if request.completed:
                     self._header_arrived(request)
+                    budget -= 1
+                    if budget == 0:
+                        # Fairness: a peer whose messages are always there
+                        # already must not keep the loop from everyone else
+                        # (a consumer's inline work counts, it runs here).
+                        self._loop.call_soon(self._pump)
+                        return
                 else:
                     self._busy = True
                     rt.watch(request, self._header_array, self._on_header)

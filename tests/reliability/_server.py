@@ -1,14 +1,16 @@
 """An RPC server for the hostile-peer and load tests, in a process of its own.
 
-    python -m tests.reliability._server   # prints its address; serves until stdin closes
+    python -m tests.reliability._server [--gc-off]   # prints its address; serves until stdin closes
 
 Small limits and short timeouts, so that what a hostile peer can hold is
-small and short-lived.
+small and short-lived. ``--gc-off`` disables the cycle collector, so that
+memory comes back by reference counting alone or not at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 
 from tensorwire import rpc
@@ -22,11 +24,14 @@ CONFIG = rpc.ServerConfig(
     transport=TransportConfig(
         limits=Limits(max_frame_bytes=1 << 20, max_frames=64, max_message_bytes=4 << 20),
         handshake_timeout=1.0,
+        max_unsent_bytes=16 << 20,
     ),
 )
 
 
 async def main() -> None:
+    if "--gc-off" in sys.argv:
+        gc.disable()
     server = rpc.Server([Store()], config=CONFIG)
     (address,) = await server.start("tcp://127.0.0.1:0")
     print(address, flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,8 +29,22 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    child = subprocess.Popen([sys.executable, "-m", "tests.reliability._server"], cwd=ROOT,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    with spawn_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def gc_off_server() -> Iterator[Server]:
+    """The same server with the cycle collector off (``--gc-off``)."""
+    with spawn_server("--gc-off") as running:
+        yield running
+
+
+@contextlib.contextmanager
+def spawn_server(*args: str) -> Iterator[Server]:
+    """The server process of tests/reliability/_server.py, with ``args``."""
+    child = subprocess.Popen([sys.executable, "-m", "tests.reliability._server", *args],
+                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
         yield Server(child, child.stdout.readline().strip())

@@ -21,6 +21,7 @@ CONFIG = ClientConfig(timeout=120, heartbeat_interval=2, heartbeat_timeout=30)
 
 @pytest.mark.slow
 async def test_200_clients_making_1000_calls_each(server: Server) -> None:
+    idle = server.rss()
     clients = [tw.connect(server.address, config=CONFIG) for _ in range(200)]
     await asyncio.gather(*(client.connect() for client in clients))
     before = server.rss()
@@ -39,13 +40,20 @@ async def test_200_clients_making_1000_calls_each(server: Server) -> None:
             asyncio.gather(*(work(i, c) for i, c in enumerate(clients))), 110)
     finally:
         took = time.perf_counter() - started
+        loaded = server.rss()
         await asyncio.gather(*(client.close() for client in clients))
+    await asyncio.sleep(1.0)
+    left = server.rss()
     assert sum(wrong) == 0
     # 200 sessions' worth of buffers, not 200,000 calls' worth.
-    grew = server.rss() - before
-    assert grew < 64 << 20, (before, server.rss())
-    print(f"load: 200,000 calls from 200 clients in {took:.1f} s, server RSS "
-          f"{grew / 2**20:+.1f} MiB")
+    grew = loaded - before
+    assert grew < 64 << 20, (before, loaded)
+    assert left - idle < 64 << 20, (idle, left)
+    mib = 2**20
+    print(f"load: 200,000 calls from 200 clients in {took:.1f} s; server RSS against before "
+          f"they connected: {(before - idle) / mib:+.1f} MiB with 200 idle sessions, "
+          f"{(loaded - idle) / mib:+.1f} MiB at the end of the calls, "
+          f"{(left - idle) / mib:+.1f} MiB 1 s after the clients closed")
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorwire.errors import LimitExceededError, ProtocolError
+from tensorwire.errors import LimitExceededError, ProtocolError, TransportError
 from tensorwire.transports import FrameInfo, Limits
 from tensorwire.transports._base import default_allocator
 from tensorwire.transports._wire import (
@@ -148,15 +148,44 @@ def test_limits_are_checked_before_allocation(
     assert reader.frames_announced is None
 
 
-def test_allocator_must_give_exact_writable_memory() -> None:
+@pytest.mark.parametrize(("allocator", "match"), [
+    (lambda info: np.empty(9, np.uint8), "9 bytes for frame 0 of 10"),
+    (lambda info: bytes(10), "read-only"),
+    (lambda info: 1 / 0, "receive allocator failed: ZeroDivisionError"),
+])
+def test_allocator_must_give_exact_writable_memory(allocator: Any, match: str) -> None:
     reader = FrameReader(Limits())
     data = HANDSHAKE + pack_header([10], ["cpu"])
     reader.get_buffer()[: len(data)] = data
     reader.buffer_updated(len(data))
-    with pytest.raises(Exception, match="9 bytes for frame 0 of 10"):
-        reader.allocate(lambda info: np.empty(9, np.uint8))
-    with pytest.raises(Exception, match="read-only"):
-        reader.allocate(lambda info: bytes(10))
+    reader.allocate(allocator)  # called once the frame's bytes are due
+    with pytest.raises(TransportError, match=match):
+        reader.get_buffer()
+
+
+def test_frames_are_allocated_only_when_their_bytes_are_due() -> None:
+    """A peer that announces frames and never sends them makes the reader
+    reserve nothing for them (issue 21)."""
+    reader = FrameReader(Limits())
+    size = 4 * DIRECT_MIN
+    data = HANDSHAKE + pack_header([size, size], ["cpu", "cpu"])
+    reader.get_buffer()[: len(data)] = data
+    reader.buffer_updated(len(data))
+    allocated: list[int] = []
+
+    def allocator(info: FrameInfo) -> Any:
+        allocated.append(info.index)
+        return np.empty(info.nbytes, np.uint8)
+
+    reader.allocate(allocator)
+    assert allocated == []
+    view = reader.get_buffer()  # the driver is about to read frame 0
+    assert allocated == [0] and len(view) == size
+    view[:] = b"\1" * size
+    reader.buffer_updated(size)
+    assert allocated == [0]
+    reader.get_buffer()
+    assert allocated == [0, 1]
 
 
 @settings(max_examples=300, deadline=None)
