@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,6 +23,8 @@ PACKAGES = [
     "tensorwire.timeline",
     "tensorwire.testing",
     "tensorwire.testing.netbed",
+    pytest.param("tensorwire.torch", marks=pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None, reason="torch is not installed")),
 ]
 
 
@@ -65,3 +68,13 @@ def test_import_has_no_side_effects() -> None:
                          check=True, timeout=60)
     facts = json.loads(out.stdout)
     assert facts == {"optional": [], "threads": 1, "env_changed": False}
+
+
+def test_torch_integration_without_torch_says_what_is_missing() -> None:
+    # A None entry in sys.modules makes `import torch` fail as if it were absent.
+    probe = ("import sys; sys.modules['torch'] = None\n"
+             "try:\n    import tensorwire.torch\n"
+             "except ImportError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert "tensorwire.torch needs PyTorch" in out.stdout
