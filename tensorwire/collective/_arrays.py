@@ -88,9 +88,19 @@ class Flat:
         """``part`` (a slice of a flat array) as a uint8 frame, no copy."""
         return part.view(self.xp.uint8)
 
-    def reduce_into(self, op: ReduceOp, dst: Any, src: Any) -> None:
-        """``dst = op(dst, src)`` in place."""
-        getattr(self.xp, _UFUNC[op])(dst, src, out=dst)
+    def reduce_into(self, op: ReduceOp, dst: Any, src: Any, *, src_first: bool = False) -> None:
+        """``dst = op(dst, src)`` in place, or ``op(src, dst)`` with ``src_first``.
+
+        The order of the operands does not change a value, but it can change
+        its bits: which NaN's sign and payload survives an addition, which
+        zero ``minimum(0.0, -0.0)`` returns. Ranks that combine the same
+        partial results in the same order get the same bits.
+        """
+        ufunc = getattr(self.xp, _UFUNC[op])
+        if src_first:
+            ufunc(src, dst, out=dst)
+        else:
+            ufunc(dst, src, out=dst)
 
     def divide(self, part: Any, by: int) -> None:
         """``part /= by`` in place (``ReduceOp.AVG``)."""

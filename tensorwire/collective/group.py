@@ -680,7 +680,9 @@ class Group:
             flat.sync()
         for step, partner in enumerate(plan.partners, start=1):
             await self._exchange(op, step, partner, whole, partner, [flat.frame(scratch)])
-            flat.reduce_into(reduce, a, scratch)
+            # The lower rank's partial result first on both sides, so that
+            # both get the same bits (NaN signs, signed zeros), as promised.
+            flat.reduce_into(reduce, a, scratch, src_first=partner < self.rank)
             flat.sync()
         if reduce is ReduceOp.AVG:
             flat.divide(a, self.world_size)

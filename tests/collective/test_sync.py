@@ -9,37 +9,24 @@ would.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tensorwire.collective import GroupConfig, SyncGroup, serve_rendezvous
+from tensorwire.collective import SyncGroup
 from tensorwire.errors import FailedPrecondition, InvalidArgument
 
+from ._threaded import each, thread_ranks
+
 WORLD = 3
-CONFIG = GroupConfig(timeout=20, rendezvous_timeout=20)
 
 
 @pytest.fixture
 async def groups() -> AsyncIterator[list[SyncGroup]]:
-    server, master = await serve_rendezvous("tcp://127.0.0.1:0", WORLD)
-    try:
-        made = await asyncio.gather(*(asyncio.to_thread(
-            SyncGroup.create, rank=r, world_size=WORLD, master=master, host_master=False,
-            listen="tcp://127.0.0.1:0", config=CONFIG) for r in range(WORLD)))
-        yield list(made)
-        await asyncio.gather(*(asyncio.to_thread(g.close) for g in made))
-    finally:
-        await server.close(grace=0)
-
-
-def each(groups: list[SyncGroup], call: Callable[[SyncGroup], Any]) -> list[Any]:
-    """``call(group)`` on every rank at once; the results in rank order."""
-    with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
-        return list(pool.map(call, groups))
+    async with thread_ranks(WORLD) as made:
+        yield made
 
 
 async def test_blocking_operations(groups: list[SyncGroup]) -> None:
