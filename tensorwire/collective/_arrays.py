@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 
-__all__ = ("Flat", "ReduceOp", "flatten")
+__all__ = ("BITWISE", "Flat", "ReduceOp", "flatten")
 
 
 class ReduceOp(enum.Enum):
@@ -26,6 +26,10 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    #: Bitwise and, or, exclusive or: integer and bool dtypes only.
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
 
 _UFUNC = {
@@ -34,7 +38,13 @@ _UFUNC = {
     ReduceOp.MIN: "minimum",
     ReduceOp.MAX: "maximum",
     ReduceOp.PRODUCT: "multiply",
+    ReduceOp.BAND: "bitwise_and",
+    ReduceOp.BOR: "bitwise_or",
+    ReduceOp.BXOR: "bitwise_xor",
 }
+
+#: The reductions that need an integer (or bool) dtype.
+BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
 class Flat:

@@ -47,7 +47,7 @@ from ..errors import (
 from ..transports import Connection, FrameInfo, default_allocator
 from . import _hierarchy as hierarchy
 from . import _schedule as schedule
-from ._arrays import Flat, ReduceOp, flatten
+from ._arrays import BITWISE, Flat, ReduceOp, flatten
 from ._runtime import Runtime
 from .config import GroupConfig
 
@@ -119,6 +119,9 @@ def _check_op(op: ReduceOp | str, flat: Flat) -> ReduceOp:
         raise InvalidArgument(f"unknown reduction {op!r}") from None
     if op is ReduceOp.AVG and flat.dtype.kind not in "fc" and flat.dtype.name != "bfloat16":
         raise InvalidArgument(f"ReduceOp.AVG needs a floating dtype, got {flat.dtype}")
+    if op in BITWISE and flat.dtype.kind not in "iub":
+        raise InvalidArgument(f"ReduceOp.{op.name} needs an integer or bool dtype, "
+                              f"got {flat.dtype}")
     return op
 
 
