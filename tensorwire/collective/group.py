@@ -125,6 +125,18 @@ def _check_op(op: ReduceOp | str, flat: Flat) -> ReduceOp:
     return op
 
 
+def _check_ring(algorithm: Algorithm, size: int, world_size: int) -> None:
+    """A forced ``"ring"`` needs a block per rank: say so rather than run another algorithm.
+
+    Raises:
+        InvalidArgument: ``0 < size < world_size`` with ``algorithm="ring"``.
+    """
+    if algorithm == "ring" and 0 < size < world_size:
+        raise InvalidArgument(
+            f"algorithm='ring' needs at least one element per rank ({world_size}), the array "
+            f"has {size}: use 'tree' or 'auto'")
+
+
 class Group:
     """A set of processes (ranks) that run collective operations together.
 
@@ -858,15 +870,21 @@ class Group:
 
         Large arrays use the pipelined ring (reduce-scatter, then allgather),
         small ones recursive doubling (see ``GroupConfig.small_bytes``).
-        ``ReduceOp.AVG`` needs a floating dtype. The result is ``x`` itself,
-        and bitwise identical on every rank.
+        ``ReduceOp.AVG`` needs a floating dtype, ``BAND``/``BOR``/``BXOR``
+        an integer one. ``MIN``/``MAX`` propagate NaN (NumPy's rule; gloo
+        keeps or drops a NaN depending on which rank holds it). The result
+        is ``x`` itself, and bitwise identical on every rank, NaN signs and
+        signed zeros included.
 
         Raises:
-            InvalidArgument: ``x`` is not a contiguous, writable array.
+            InvalidArgument: ``x`` is not a contiguous, writable array; the
+                reduction does not suit its dtype; ``algorithm="ring"`` on
+                fewer elements than ranks.
             MismatchError, RankFailedError, CollectiveTimeout: see the module.
         """
         flat = flatten(x)
         reduce = _check_op(op, flat)
+        _check_ring(algorithm, flat.size, self.world_size)
         large = self._large(flat.nbytes, algorithm, hierarchical=True)
         hier = self._hierarchical(flat.nbytes, algorithm)
 
@@ -947,6 +965,8 @@ class Group:
             else:
                 buckets.append([i])
                 size, kind = f.nbytes, key
+        for bucket in buckets:  # before anything is queued
+            _check_ring(algorithm, sum(flats[i].size for i in bucket), self.world_size)
         loop = asyncio.get_running_loop()
         out: list[asyncio.Future[Any]] = [loop.create_future() for _ in flats]
         for bucket in buckets:
@@ -995,10 +1015,14 @@ class Group:
 
         On the other ranks ``x`` serves as workspace and holds unspecified
         values afterwards (it is not copied). Returns ``x``.
+
+        Raises:
+            InvalidArgument: as :meth:`allreduce`.
         """
         flat = flatten(x)
         reduce = _check_op(op, flat)
         _check_root(root, self.world_size)
+        _check_ring(algorithm, flat.size, self.world_size)
         large = self._large(flat.nbytes, algorithm)
 
         async def body(o: _Op) -> Any:
