@@ -161,6 +161,8 @@ class Group:
         self._p2p_out: dict[int, Connection] = {}
         self._p2p_in: dict[int, Connection] = {}
         self._p2p_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        #: Received messages whose tag no recv asked for yet: peer -> tag -> frames.
+        self._p2p_early: dict[int, dict[int, deque[list[Any]]]] = {}
         self._queue: deque[_Op] = deque()
         self._worker: asyncio.Task[None] | None = None
         self._seq = 0
@@ -1287,10 +1289,11 @@ class Group:
     async def send(self, x: Any, dst: int, *, tag: int = 0, timeout: float | None = None) -> None:
         """Send ``x`` to rank ``dst``, to be received by its ``recv(…, src=this rank)``.
 
-        Point-to-point messages run outside the collective order: a pair's
-        messages are matched in the order they were sent, and the ``tag``
-        and array description must match the receiver's (else
-        ``MismatchError``). A send that times out once its bytes started to
+        Point-to-point messages run outside the collective order and are
+        delivered by ``tag``, as torch.distributed delivers them: a pair's
+        messages of one tag in the order they were sent, whatever the order
+        of the receives of different tags; the array description must match
+        the receiver's (else ``MismatchError``). A send that times out once its bytes started to
         go is still delivered (the transport finishes the message, which
         keeps the pair's stream in step); one that had not started is not.
         """
@@ -1352,10 +1355,24 @@ class Group:
                         return frame
                     return default_allocator(info)
 
-                try:
-                    got = await conn.recv(allocator=allocate)
-                except ConnectionClosedError as exc:
-                    raise await self._lost(src, exc) from exc
+                early = self._p2p_early.setdefault(src, {})
+                wanted = tag & 0xFFFF_FFFF
+                kept = early.get(wanted)
+                got = kept.popleft() if kept else None
+                while got is None:
+                    try:
+                        got = await conn.recv(allocator=allocate)
+                    except ConnectionClosedError as exc:
+                        raise await self._lost(src, exc) from exc
+                    arrived = _tag_of(got[0])
+                    if arrived is None or arrived == wanted:
+                        break
+                    # Another tag's message (it may have landed in ``out``,
+                    # which this receive overwrites anyway): a copy waits for
+                    # the receive that asks for its tag.
+                    early.setdefault(arrived, deque()).append([bytes(got[0]),
+                                                               *map(_keep, got[1:])])
+                    got = None
         except TimeoutError:
             raise CollectiveTimeout(
                 f"group {self.id}: nothing from rank {src} (tag {tag}) within {limit} s",
@@ -1504,6 +1521,23 @@ def _settle(mine: Sequence[Any], landed: Sequence[Any]) -> None:
             cupy.asarray(dst).reshape(-1)[...] = cupy.asarray(src).reshape(-1)
         else:
             np.asarray(dst).reshape(-1)[...] = np.asarray(src).reshape(-1)
+
+
+def _tag_of(header: Any) -> int | None:
+    """The tag of a point-to-point message's header, ``None`` when unreadable."""
+    try:
+        return int(_HEAD.unpack_from(bytes(header))[1])
+    except struct.error:
+        return None
+
+
+def _keep(frame: Any) -> Any:
+    """A copy of a received frame that outlives the buffer it landed in."""
+    if hasattr(frame, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy.array(frame, copy=True)
+    return np.array(np.asarray(frame).reshape(-1).view(np.uint8), copy=True)
 
 
 def _same_memory(a: Any, b: Any) -> bool:
