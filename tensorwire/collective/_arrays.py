@@ -43,6 +43,15 @@ _UFUNC = {
     ReduceOp.BXOR: "bitwise_xor",
 }
 
+#: torch's functions for the reductions, where they beat NumPy's (16-bit floats).
+_TORCH_FUNC = {
+    ReduceOp.SUM: "add",
+    ReduceOp.AVG: "add",
+    ReduceOp.MIN: "minimum",
+    ReduceOp.MAX: "maximum",
+    ReduceOp.PRODUCT: "mul",
+}
+
 #: The reductions that need an integer (or bool) dtype.
 BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
@@ -106,11 +115,33 @@ class Flat:
         zero ``minimum(0.0, -0.0)`` returns. Ranks that combine the same
         partial results in the same order get the same bits.
         """
+        if op in _TORCH_FUNC and _module_of(self.original) == "torch" \
+                and str(self.original.dtype) in ("torch.float16", "torch.bfloat16"):
+            # NumPy computes on float16 (and ml_dtypes on bfloat16) element by
+            # element, ~20x slower than torch's vectorized kernels on the same
+            # memory: a compressed gradient bucket is reduced in these types.
+            self._torch_reduce_into(op, dst, src, src_first)
+            return
         ufunc = getattr(self.xp, _UFUNC[op])
         if src_first:
             ufunc(src, dst, out=dst)
         else:
             ufunc(dst, src, out=dst)
+
+    def _torch_reduce_into(self, op: ReduceOp, dst: Any, src: Any, src_first: bool) -> None:
+        import torch
+
+        dtype = self.original.dtype
+
+        def view(part: Any) -> Any:
+            return torch.from_numpy(part.view(np.uint8)).view(dtype)
+
+        out, other = view(dst), view(src)
+        func = getattr(torch, _TORCH_FUNC[op])
+        if src_first:
+            func(other, out, out=out)
+        else:
+            func(out, other, out=out)
 
     def divide(self, part: Any, by: int) -> None:
         """``part /= by`` in place (``ReduceOp.AVG``)."""

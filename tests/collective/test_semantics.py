@@ -91,3 +91,25 @@ async def test_receives_are_matched_by_tag() -> None:
     np.testing.assert_array_equal(one, np.full(4, 1.0))
     np.testing.assert_array_equal(two, np.full(4, 2.0))
     np.testing.assert_array_equal(three, np.full(2, 3.0))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("algorithm", ["tree", "ring"])
+async def test_16_bit_torch_tensors_reduce_with_torch(dtype: str, algorithm: str) -> None:
+    torch = pytest.importorskip("torch")
+    kind = getattr(torch, dtype)
+
+    def data(rank: int) -> Any:
+        return torch.arange(64, dtype=torch.float32).mul(0.25 * (rank + 1)).to(kind)
+
+    async with thread_ranks(3, CONFIG) as groups:
+        results = each(groups, lambda g: g.allreduce(data(g.rank), algorithm=algorithm))
+        maxima = each(groups, lambda g: g.allreduce(data(2 - g.rank), "max",
+                                                    algorithm=algorithm))
+    want = data(0).float() + data(1).float() + data(2).float()
+    for got, top in zip(results, maxima, strict=True):
+        assert got.dtype == kind
+        # Each partial sum rounds to the 16-bit type: within its precision.
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=0.1)
+        assert torch.equal(got, results[0])
+        assert torch.equal(top, data(2))
