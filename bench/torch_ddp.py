@@ -151,8 +151,8 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
-    parser.add_argument("--steps-small", type=int, default=30, help=argparse.SUPPRESS)
-    parser.add_argument("--steps-large", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--steps-small", type=int, default=40, help=argparse.SUPPRESS)
+    parser.add_argument("--steps-large", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.as_rank:
         rank_main(args)
