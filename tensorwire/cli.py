@@ -137,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
 
     launch = add_parser("launch", help="run N local ranks of a program with the "
                                        "environment Group.from_env() reads")
-    launch.add_argument("-n", "--nproc", type=int, required=True, help="how many ranks")
+    launch.add_argument("-n", "--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc",
+                        type=int, required=True, help="how many ranks (torchrun's spelling too)")
     launch.add_argument("--listen", metavar="URL",
                         help="the ranks' data transport (default tcp://0.0.0.0:0)")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",

@@ -31,6 +31,8 @@ PACKAGES = [
     "tensorwire.timeline",
     "tensorwire.testing",
     "tensorwire.testing.netbed",
+    pytest.param("tensorwire.torch", marks=pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None, reason="torch is not installed")),
 ]
 
 
@@ -158,3 +160,13 @@ def test_the_wheel_holds_the_demo_license_and_extras(tmp_path: Path) -> None:
         assert f"Provides-Extra: {extra}\n" in text
     requires = [line for line in text.splitlines() if line.startswith("Requires-Dist: ucxx")]
     assert requires and all("extra ==" in line for line in requires)
+
+
+def test_torch_integration_without_torch_says_what_is_missing() -> None:
+    # A None entry in sys.modules makes `import torch` fail as if it were absent.
+    probe = ("import sys; sys.modules['torch'] = None\n"
+             "try:\n    import tensorwire.torch\n"
+             "except ImportError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert "tensorwire.torch needs PyTorch" in out.stdout

@@ -20,6 +20,7 @@ from ._runtime import RendezvousServer, serve_rendezvous
 from .config import GroupConfig
 from .group import Algorithm, Group
 from .launcher import LaunchResult, launch
+from .sync import SyncGroup
 
 __all__ = ("Algorithm", "Group", "GroupConfig", "LaunchResult", "ReduceOp", "RendezvousServer",
-           "launch", "serve_rendezvous")
+           "SyncGroup", "launch", "serve_rendezvous")

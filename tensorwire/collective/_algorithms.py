@@ -169,7 +169,9 @@ async def doubling_allreduce(links: Links, op: Op, flat: Flat, a: Any, reduce: R
         flat.sync()
     for step, partner in enumerate(plan.partners, start=1):
         await links.exchange(op, step, partner, whole, partner, [flat.frame(scratch)])
-        flat.reduce_into(reduce, a, scratch)
+        # The lower rank's partial result first on both sides, so that
+        # both get the same bits (NaN signs, signed zeros), as promised.
+        flat.reduce_into(reduce, a, scratch, src_first=partner < links.rank)
         flat.sync()
     if reduce is ReduceOp.AVG:
         flat.divide(a, links.world_size)

@@ -2,15 +2,20 @@
 
 They run outside the collective order, on connections of their own (one
 each way per pair, opened on first use), so they never interleave with an
-operation's messages. A pair's messages are matched in the order they were
-sent, one at a time each way.
+operation's messages. They are delivered by tag, as torch.distributed
+delivers them: a pair's messages of one tag in the order they were sent; a
+message of another tag that arrives first is kept (a copy) for the receive
+that asks for its tag.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
+from collections import deque
 from typing import Any
+
+import numpy as np
 
 from ..errors import (
     CollectiveTimeout,
@@ -43,6 +48,8 @@ class PointToPoint:
         self._out: dict[int, Connection] = {}
         self._in: dict[int, Connection] = {}
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        #: Received messages whose tag no recv asked for yet: peer -> tag -> frames.
+        self._early: dict[int, dict[int, deque[list[Any]]]] = {}
 
     def connections(self) -> list[Connection]:
         """Every connection opened so far, both ways."""
@@ -116,10 +123,24 @@ class PointToPoint:
                         return frame
                     return default_allocator(info)
 
-                try:
-                    got = await conn.recv(allocator=allocate)
-                except ConnectionClosedError as exc:
-                    raise await self._log.lost(src, exc) from exc
+                early = self._early.setdefault(src, {})
+                wanted = tag & 0xFFFF_FFFF
+                kept = early.get(wanted)
+                got = kept.popleft() if kept else None
+                while got is None:
+                    try:
+                        got = await conn.recv(allocator=allocate)
+                    except ConnectionClosedError as exc:
+                        raise await self._log.lost(src, exc) from exc
+                    arrived = _tag_of(got[0])
+                    if arrived is None or arrived == wanted:
+                        break
+                    # Another tag's message (it may have landed in ``out``,
+                    # which this receive overwrites anyway): a copy waits for
+                    # the receive that asks for its tag.
+                    early.setdefault(arrived, deque()).append([bytes(got[0]),
+                                                               *map(_keep, got[1:])])
+                    got = None
         except TimeoutError:
             raise CollectiveTimeout(
                 f"group {self.id}: nothing from rank {src} (tag {tag}) within {limit} s",
@@ -136,3 +157,20 @@ class PointToPoint:
                 f"tag {tag} {sig.decode()}", ranks=(src,))
         settle([frame], got[1:])
         return flat.result()
+
+
+def _tag_of(header: Any) -> int | None:
+    """The tag of a point-to-point message's header, ``None`` when unreadable."""
+    try:
+        return int(HEAD.unpack_from(bytes(header))[1])
+    except struct.error:
+        return None
+
+
+def _keep(frame: Any) -> Any:
+    """A copy of a received frame that outlives the buffer it landed in."""
+    if hasattr(frame, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy.array(frame, copy=True)
+    return np.array(np.asarray(frame).reshape(-1).view(np.uint8), copy=True)

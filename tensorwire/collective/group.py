@@ -52,6 +52,18 @@ def _check_root(root: int, size: int) -> None:
         raise InvalidArgument(f"root must be a rank of the group (0..{size - 1}), got {root!r}")
 
 
+def _check_ring(algorithm: Algorithm, size: int, world_size: int) -> None:
+    """A forced ``"ring"`` needs a block per rank: say so rather than run another algorithm.
+
+    Raises:
+        InvalidArgument: ``0 < size < world_size`` with ``algorithm="ring"``.
+    """
+    if algorithm == "ring" and 0 < size < world_size:
+        raise InvalidArgument(
+            f"algorithm='ring' needs at least one element per rank ({world_size}), the array "
+            f"has {size}: use 'tree' or 'auto'")
+
+
 class Group:
     """A set of processes (ranks) that run collective operations together.
 
@@ -243,15 +255,21 @@ class Group:
 
         Large arrays use the pipelined ring (reduce-scatter, then allgather),
         small ones recursive doubling (see ``GroupConfig.small_bytes``).
-        ``ReduceOp.AVG`` needs a floating dtype. The result is ``x`` itself,
-        and bitwise identical on every rank.
+        ``ReduceOp.AVG`` needs a floating dtype, ``BAND``/``BOR``/``BXOR``
+        an integer one. ``MIN``/``MAX`` propagate NaN (NumPy's rule; gloo
+        keeps or drops a NaN depending on which rank holds it). The result
+        is ``x`` itself, and bitwise identical on every rank, NaN signs and
+        signed zeros included.
 
         Raises:
-            InvalidArgument: ``x`` is not a contiguous, writable array.
+            InvalidArgument: ``x`` is not a contiguous, writable array; the
+                reduction does not suit its dtype; ``algorithm="ring"`` on
+                fewer elements than ranks.
             MismatchError, RankFailedError, CollectiveTimeout: see the module.
         """
         flat = flatten(x)
         reduce = check_op(op, flat)
+        _check_ring(algorithm, flat.size, self.world_size)
         large, hier = self._choose(flat.nbytes, algorithm)
 
         async def body(o: Op) -> Any:
@@ -302,6 +320,8 @@ class Group:
         self._choose(0, algorithm)  # validates the name
         buckets = schedule.buckets([(f.dtype.str, f.device, type(f.array)) for f in flats],
                                    [f.nbytes for f in flats], ranks, bucket_bytes)
+        for bucket in buckets:  # before anything is queued
+            _check_ring(algorithm, sum(flats[i].size for i in bucket), self.world_size)
         loop = asyncio.get_running_loop()
         out: list[asyncio.Future[Any]] = [loop.create_future() for _ in flats]
         for bucket in buckets:
@@ -336,10 +356,14 @@ class Group:
 
         On the other ranks ``x`` serves as workspace and holds unspecified
         values afterwards (it is not copied). Returns ``x``.
+
+        Raises:
+            InvalidArgument: as :meth:`allreduce`.
         """
         flat = flatten(x)
         reduce = check_op(op, flat)
         _check_root(root, self.world_size)
+        _check_ring(algorithm, flat.size, self.world_size)
         large, _ = self._choose(flat.nbytes, algorithm, hierarchical=False)
         return self._log.submit(
             f"reduce({flat.describe()},{reduce.value},root={root})",
@@ -459,10 +483,11 @@ class Group:
     async def send(self, x: Any, dst: int, *, tag: int = 0, timeout: float | None = None) -> None:
         """Send ``x`` to rank ``dst``, to be received by its ``recv(…, src=this rank)``.
 
-        Point-to-point messages run outside the collective order: a pair's
-        messages are matched in the order they were sent, and the ``tag``
-        and array description must match the receiver's (else
-        ``MismatchError``). A send that times out once its bytes started to
+        Point-to-point messages run outside the collective order and are
+        delivered by ``tag``, as torch.distributed delivers them: a pair's
+        messages of one tag in the order they were sent, whatever the order
+        of the receives of different tags; the array description must match
+        the receiver's (else ``MismatchError``). A send that times out once its bytes started to
         go is still delivered (the transport finishes the message, which
         keeps the pair's stream in step); one that had not started is not.
         """
@@ -477,7 +502,7 @@ class Group:
         may still be written after the timeout.
 
         Raises:
-            MismatchError: the message has another tag, dtype or shape.
+            MismatchError: the message of this tag has another dtype or shape.
             CollectiveTimeout: nothing arrived in time.
             RankFailedError: ``src`` went away.
         """

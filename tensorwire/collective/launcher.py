@@ -3,7 +3,11 @@
 Like torchrun on one host: each child gets the environment
 :meth:`Group.from_env` reads (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, and ``TENSORWIRE_MASTER`` pointing at a rendezvous
-this launcher serves), its output lines are prefixed with its rank, SIGINT
+this launcher serves) and the rest of what torchrun sets (``GROUP_RANK``,
+``ROLE_RANK``, ``ROLE_WORLD_SIZE``, and ``MASTER_ADDR`` / ``MASTER_PORT``
+naming a free port on loopback), so one script runs under either launcher
+and can also call ``torch.distributed.init_process_group()`` for the parts
+it keeps on gloo or NCCL. Its output lines are prefixed with its rank, SIGINT
 and SIGTERM are passed on to every child, and when one child fails the
 others are stopped at once, so a broken job never hangs.
 
@@ -23,6 +27,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
@@ -103,7 +108,8 @@ async def launch(
     out = output or sys.stdout
     base = dict(os.environ if env is None else env)
     base.update(WORLD_SIZE=str(processes), LOCAL_WORLD_SIZE=str(processes),
-                TENSORWIRE_MASTER_HOSTED="1")
+                ROLE_WORLD_SIZE=str(processes), GROUP_RANK="0",
+                TORCHELASTIC_MAX_RESTARTS=str(max_restarts), TENSORWIRE_MASTER_HOSTED="1")
     if listen:
         base["TENSORWIRE_LISTEN"] = listen
     signalled: list[int] = []
@@ -126,13 +132,17 @@ async def _attempt(argv: Sequence[str], processes: int, base: dict[str, str], ou
                    signalled: list[int]) -> LaunchResult:
     """Start every rank once, with a rendezvous of its own, and supervise them."""
     server, master = await serve_rendezvous("tcp://127.0.0.1:0", processes, config=config)
+    # torch.distributed's store (env://) listens at MASTER_PORT on rank 0;
+    # tensorwire's rendezvous is TENSORWIRE_MASTER, so the two never collide.
+    torch_master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     children: list[asyncio.subprocess.Process] = []
     loop = asyncio.get_running_loop()
     try:
         for rank in range(processes):
             children.append(await asyncio.create_subprocess_exec(
-                *argv, env={**base, "TENSORWIRE_MASTER": master, "RANK": str(rank),
-                            "LOCAL_RANK": str(rank)},
+                *argv, env={**base, **torch_master, "TENSORWIRE_MASTER": master,
+                            "RANK": str(rank), "LOCAL_RANK": str(rank),
+                            "ROLE_RANK": str(rank)},
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
             ))
@@ -148,6 +158,18 @@ async def _attempt(argv: Sequence[str], processes: int, base: dict[str, str], ou
                 child.kill()
                 await child.wait()
         await server.close(grace=0)
+
+
+def _free_port() -> int:
+    """A port the kernel just gave out on loopback (torchrun --standalone does the same).
+
+    Another process could take it before rank 0's torch store binds it; the
+    kernel hands out ephemeral ports in turn, so that is rare.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _forward_signals(loop: asyncio.AbstractEventLoop,

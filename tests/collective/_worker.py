@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tensorwire.collective import Group, GroupConfig, ReduceOp
-from tensorwire.errors import CollectiveError
+from tensorwire.errors import CollectiveError, InvalidArgument
 
 #: Small thresholds so that modest sizes exercise every algorithm. Liveness
 #: as by default, within reason: five ranks on a shared 2-core VM can all
@@ -86,6 +86,13 @@ async def ops(group: Group) -> None:
                     if name == "product" and large:
                         continue
                     x = inputs[rank].copy()
+                    if algorithm == "ring" and 0 < count < n:
+                        # A forced ring needs a block per rank: refused, not switched.
+                        try:
+                            group.allreduce(x, ReduceOp(name), algorithm=algorithm)
+                        except InvalidArgument:
+                            continue
+                        raise AssertionError(f"ring on {count} elements was not refused")
                     got = await group.allreduce(x, ReduceOp(name), algorithm=algorithm)
                     assert got is x
                     check(x, reference(np.stack(inputs)).astype(dtype),
@@ -96,7 +103,8 @@ async def ops(group: Group) -> None:
                 await group.broadcast(x, root=root, algorithm=algorithm)
                 check(x, inputs[root], f"broadcast {dtype}[{count}] {algorithm}")
                 x = inputs[rank].copy()
-                await group.reduce(x, root=root, algorithm=algorithm)
+                await group.reduce(x, root=root,
+                                   algorithm="tree" if 0 < count < n else algorithm)
                 if rank == root:
                     check(x, np.sum(np.stack(inputs), axis=0),
                           f"reduce {dtype}[{count}] {algorithm}")

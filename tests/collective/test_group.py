@@ -152,8 +152,16 @@ async def test_point_to_point_checks_tags_and_deadlines(trio: list[Group]) -> No
         await b.recv(out, 0, timeout=0.3)
     assert timed_out.value.ranks == (0,)
     await a.send(np.arange(4.0), 1, tag=5)
-    with pytest.raises(MismatchError, match="tag 5") as mismatch:
-        await b.recv(out, 0, tag=6)
+    # Delivered by tag: a receive of another tag waits for its own message,
+    # and the tag-5 message waits for its receive.
+    with pytest.raises(CollectiveTimeout, match="tag 6"):
+        await b.recv(out, 0, tag=6, timeout=0.3)
+    assert await b.recv(out, 0, tag=5) is out
+    np.testing.assert_array_equal(out, np.arange(4.0))
+    # A message of the right tag but another shape is a mismatch.
+    await a.send(np.arange(3.0), 1, tag=8)
+    with pytest.raises(MismatchError, match="tag 8") as mismatch:
+        await b.recv(out, 0, tag=8)
     assert mismatch.value.ranks == (0,)
     # The pair carries on with the next message.
     await a.send(np.arange(4.0) + 1, 1, tag=7)

@@ -1,0 +1,250 @@
+"""DDP step time: gloo against each tensorwire hook, over tcp:// and ucx://, side by side.
+
+For each world size (2 and 4 processes) and transport, one set of processes
+on this host trains, in turn, the example's model (an MLP on digits-sized
+inputs, 9k parameters) and a larger one (about 25M parameters, so
+communication dominates) with DDP and each of:
+
+- ``gloo``: DDP's own allreduce over gloo (the baseline; measured in the
+  tcp:// set only, gloo has its own transport);
+- ``allreduce``: ``tensorwire.torch.allreduce_hook``;
+- ``allreduce fp16``: the same with ``compression="fp16"``;
+- ``ps``: ``tensorwire.torch.ps_hook`` with one shard served by this
+  process (``ps.Aggregate``: the shard sums, the workers step), over tcp://
+  only (UCX runs one event loop per process, and the parameter-server
+  client's loop is not the group's).
+
+Rank 0 reports the median step time (forward, backward with the hook,
+optimizer step) over the timed steps, after warm-up steps.
+
+    python bench/torch_ddp.py             # writes bench/results/torch_ddp.md
+    python bench/torch_ddp.py --quick     # fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "torch_ddp.md"
+WORLDS = [2, 4]
+TRANSPORTS = ["tcp", "ucx"]
+MODELS = {"example MLP (9k)": (64, [128], 10), "large MLP (25M)": (2048, [4096, 4096], 10)}
+HOOKS = ["gloo", "allreduce", "allreduce fp16", "ps"]
+BATCH = 32
+
+
+def build(spec: tuple[int, list[int], int]) -> Any:
+    import torch
+
+    inputs, hidden, classes = spec
+    layers: list[Any] = []
+    width = inputs
+    for h in hidden:
+        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+        width = h
+    layers.append(torch.nn.Linear(width, classes))
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*layers)
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank: every model with every hook; rank 0 prints JSON lines."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import tensorwire.torch as twt
+    from tensorwire import ps
+    from tensorwire.collective import GroupConfig, SyncGroup
+    from tensorwire.rpc import ClientConfig
+    from tensorwire.transports import TransportConfig, UCXOptions
+
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    # Where the processes outnumber the cores, UCX must not spin on them
+    # (docs/collective.md, "Performance"), as in bench/collective.py.
+    ucx = UCXOptions(spin=0) if world > (os.cpu_count() or 1) else UCXOptions()
+    transport = TransportConfig(ucx=ucx)
+    dist.init_process_group("gloo")
+    group = SyncGroup.from_env(config=GroupConfig(timeout=600, transport=transport))
+    rank = group.rank
+    shards = os.environ["BENCH_SHARDS"].split(",")
+    for index, (name, spec) in enumerate(MODELS.items()):
+        steps, warm = (args.steps_large, 1) if "large" in name else (args.steps_small, 3)
+        x = torch.randn(BATCH, spec[0], generator=torch.Generator().manual_seed(rank))
+        y = torch.randint(0, spec[2], (BATCH,), generator=torch.Generator().manual_seed(rank))
+        for hook in HOOKS:
+            if hook in ("gloo", "ps") and args.transport != "tcp":
+                continue
+            model = DistributedDataParallel(build(spec))
+            client = None
+            if hook.startswith("allreduce"):
+                model.register_comm_hook(
+                    twt.AllreduceState(group, compression="fp16" if "fp16" in hook else None),
+                    twt.allreduce_hook)
+            elif hook == "ps":
+                client = ps.SyncClient([shards[index]], worker=rank, num_workers=world,
+                                       optimizer=ps.Aggregate(),
+                                       config=ps.PSConfig(rpc=ClientConfig(transport=transport)))
+                model.register_comm_hook(twt.PSState(client, model.module), twt.ps_hook)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            loss_fn = torch.nn.CrossEntropyLoss()
+            times = []
+            for step in range(warm + steps):
+                dist.barrier()
+                started = time.perf_counter()
+                optimizer.zero_grad()
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+                if step >= warm:
+                    times.append(time.perf_counter() - started)
+            if client is not None:
+                client.close()
+            if rank == 0:
+                print(json.dumps({"model": name, "hook": hook, "times": times}), flush=True)
+    group.close()
+    dist.destroy_process_group()
+
+
+async def run_set(world: int, transport: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One launch of ``world`` ranks over ``transport``; rank 0's JSON lines."""
+    from tensorwire import ps
+    from tensorwire.collective import launch
+
+    listen = f"{transport}://127.0.0.1:0"
+    # The shards listen on tcp:// in every set: UCX runs on one event loop per
+    # process, and the parameter-server client has a loop of its own beside
+    # the group's, so the ps hook is measured in the tcp:// set only.
+    shards = [await ps.serve("tcp://127.0.0.1:0") for _ in MODELS]
+    out = io.StringIO()
+    try:
+        argv = [sys.executable, __file__, "--as-rank", "--transport", transport,
+                "--steps-small", str(args.steps_small), "--steps-large", str(args.steps_large)]
+        env = {**os.environ, "BENCH_SHARDS": ",".join(s.addresses[0] for s in shards),
+               "PYTHONPATH": str(ROOT)}
+        result = await launch(argv, world, listen=listen, env=env, output=out)
+    finally:
+        for shard in shards:
+            await shard.close(checkpoint=False)
+    if result.exit_code != 0:
+        raise SystemExit(f"{world} ranks over {transport}:// failed:\n{out.getvalue()[-3000:]}")
+    return [json.loads(line.removeprefix("[rank 0] ")) for line in out.getvalue().splitlines()
+            if line.startswith("[rank 0] {")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
+    parser.add_argument("--steps-small", type=int, default=40, help=argparse.SUPPRESS)
+    parser.add_argument("--steps-large", type=int, default=8, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.as_rank:
+        rank_main(args)
+        return
+    if args.quick:
+        args.steps_small, args.steps_large = 10, 2
+    before = os.getloadavg()
+    started = time.time()
+    table: dict[tuple[int, str, str, str], list[float]] = {}
+    for world in WORLDS:
+        for transport in TRANSPORTS:
+            print(f"{world} processes over {transport}:// ...", flush=True)
+            for row in asyncio.run(run_set(world, transport, args)):
+                variant = "gloo" if row["hook"] == "gloo" else f"{row['hook']} {transport}://"
+                table[world, row["model"], variant, transport] = row["times"]
+    write(args, table, time.time() - started, before, os.getloadavg())
+    print(f"wrote {args.output}")
+
+
+def version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def write(args: argparse.Namespace, table: dict[tuple[int, str, str, str], list[float]],
+          took: float, before: tuple[float, ...], after: tuple[float, ...]) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())
+    lines = [
+        "# DDP step time: gloo and tensorwire's hooks",
+        "",
+        f"Command: `python bench/torch_ddp.py{' --quick' if args.quick else ''}` "
+        f"(took {took:.0f} s)",
+        "",
+        f"- CPU: {cpu}, {os.cpu_count()} cores, loopback only; Linux {platform.release()}",
+        f"- Python {platform.python_version()}; tensorwire {version('tensorwire')}; "
+        f"torch {version('torch')}; ucxx {version('ucxx-cu12')}",
+        f"- tensorwire tree: {commit}",
+        f"- Load average (1/5/15 min) before the run {before[0]:.2f}/{before[1]:.2f}/"
+        f"{before[2]:.2f}, after {after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f}.",
+        f"- A step: forward, backward (the hook's communication inside it), SGD step; batch "
+        f"{BATCH} per rank, one torch thread per process. Median of {args.steps_small} "
+        f"timed steps (example MLP, after 3 warm-up steps) or {args.steps_large} (large "
+        f"MLP, after 1), with min-max beside it. All processes share the same 2 cores "
+        f"(with other work on the machine): compute competes with communication, and "
+        f"the figures are noisy (compare within one table, not across runs).",
+        "- gloo: DDP's built-in allreduce (its own transport). allreduce: "
+        "`tensorwire.torch.allreduce_hook`; fp16: with `compression=\"fp16\"` (half the "
+        "bytes); ps: `tensorwire.torch.ps_hook` to one shard in the benchmark's own "
+        "process (`ps.Aggregate`), which serves every rank, over tcp:// only (UCX runs one "
+        "event loop per process, and the parameter-server client's is not the group's).",
+        "",
+    ]
+    verdicts = []
+    for world in WORLDS:
+        lines += [f"## {world} processes", "",
+                  "| model | variant | step time (ms), median | min-max (ms) | vs gloo |",
+                  "|---|---|---:|---:|---:|"]
+        for model in MODELS:
+            gloo = statistics.median(table[world, model, "gloo", "tcp"])
+            for (w, m, variant, _), times in table.items():
+                if w != world or m != model:
+                    continue
+                median = statistics.median(times)
+                lines.append(f"| {model} | {variant} | {median * 1e3:,.1f} | "
+                             f"{min(times) * 1e3:,.1f}-{max(times) * 1e3:,.1f} | "
+                             f"{gloo / median:.2f}x |")
+            for transport in TRANSPORTS:
+                key = (world, model, f"allreduce {transport}://", transport)
+                if key in table:
+                    ratio = gloo / statistics.median(table[key])
+                    verdicts.append((world, model, transport, ratio))
+        lines.append("")
+    lines += ["## Targets", "",
+              "Target: the allreduce hook at least as fast as gloo at 2 processes, and "
+              "faster over ucx://. (\"vs gloo\" above: gloo's median step time over ours; "
+              "above 1 is faster.)", ""]
+    for world, model, transport, ratio in verdicts:
+        if world != 2:
+            continue
+        need = 1.0
+        verdict = "met" if (ratio > need if transport == "ucx" else ratio >= need) \
+            else "**missed**"
+        lines.append(f"- 2 processes, {model}, allreduce hook over {transport}://: "
+                     f"{ratio:.2f}x gloo: {verdict}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""One rank of a tensorwire.torch test, with torch itself as the oracle.
+
+Run as ``python -m tests.torch._worker SCENARIO`` with the environment
+``tensorwire launch`` sets (``RANK``, ``WORLD_SIZE``, ``TENSORWIRE_MASTER``)
+plus ``TORCH_STORE`` (a file for torch's ``FileStore``, so no port is
+guessed) and, for the parameter-server scenario, ``PS_ADDRESSES``. Prints one
+JSON line with its findings; the test asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from sklearn.datasets import load_digits
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tensorwire.torch as twt
+from tensorwire import ps
+from tensorwire.collective import GroupConfig, SyncGroup
+
+CONFIG = GroupConfig(timeout=30, rendezvous_timeout=60, heartbeat_interval=1,
+                     heartbeat_timeout=20)
+BATCH = 16
+#: DDP's default bucket is 25 MiB; small buckets give this small model
+#: several, so the hooks see more than one per step.
+BUCKET_MB = 0.004
+
+
+def report(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = load_digits(return_X_y=True)
+    # The file lists the writers in turn: shuffled once, the held-out part
+    # is like the rest.
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    return torch.tensor(x / 16.0, dtype=torch.float32)[order], torch.tensor(y)[order]
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
+                               torch.nn.Linear(48, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 10))
+
+
+def batch(x: torch.Tensor, y: torch.Tensor, step: int, rank: int,
+          world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s slice of step ``step``'s global batch."""
+    lo = (step * BATCH * world + rank * BATCH) % (len(x) - BATCH * world)
+    return x[lo:lo + BATCH], y[lo:lo + BATCH]
+
+
+def global_batch(x: torch.Tensor, y: torch.Tensor, step: int,
+                 world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [batch(x, y, step, r, world) for r in range(world)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def train(net: torch.nn.Module, opt: Any, steps: int, data: Callable[[int], Any]) -> None:
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step in range(steps):
+        xb, yb = data(step)
+        opt.zero_grad()
+        loss_fn(net(xb), yb).backward()
+        opt.step()
+
+
+def flat(net: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def ddp(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
+    """DDP over gloo and DDP with the tensorwire hook end with the same weights."""
+    x, y = digits()
+    steps = 12
+    results = {}
+    for name in ("gloo", "tensorwire"):
+        net = DDP(model(), bucket_cap_mb=BUCKET_MB)
+        if name == "tensorwire":
+            net.register_comm_hook(twt.AllreduceState(group), twt.allreduce_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
+        train(net, opt, steps, lambda s: batch(x, y, s, rank, world))
+        results[name] = flat(net.module)
+    diff = float((results["gloo"] - results["tensorwire"]).abs().max())
+    moved = float((results["gloo"] - flat(model())).abs().max())
+    # Every rank must hold the same bits: compare with rank 0's.
+    mine = results["tensorwire"].clone()
+    group.broadcast(mine, src=0)
+    return {"diff": diff, "moved": moved,
+            "same_bits": bool(torch.equal(mine, results["tensorwire"]))}
+
+
+def optimizer(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
+    """DistributedOptimizer against one process on the concatenated batch."""
+    x, y = digits()
+    steps = 10
+    net = model(seed=rank)  # different on purpose: broadcast_parameters fixes it
+    twt.broadcast_parameters(net.state_dict(), group, root_rank=0)
+    start_equal = bool(torch.equal(flat(net), flat(model(seed=0))))
+    opt = twt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9),
+                                   group)
+    train(net, opt, steps, lambda s: batch(x, y, s, rank, world))
+    alone = model(seed=0)
+    train(alone, torch.optim.SGD(alone.parameters(), lr=0.2, momentum=0.9), steps,
+          lambda s: global_batch(x, y, s, world))
+    diff = float((flat(net) - flat(alone)).abs().max())
+    # broadcast_optimizer_state: rank 0's Adam has state, the others none.
+    adam = torch.optim.Adam(model().parameters(), lr=1e-3 * (rank + 1))
+    if rank == 0:
+        for p in adam.param_groups[0]["params"]:
+            p.grad = torch.ones_like(p)
+        adam.step()
+    twt.broadcast_optimizer_state(adam, group, root_rank=0)
+    state = adam.state_dict()
+    ref = torch.optim.Adam(model().parameters(), lr=1e-3)
+    for p in ref.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    ref.step()
+    want = ref.state_dict()
+    state_equal = (state["param_groups"][0]["lr"] == 1e-3 and all(
+        torch.equal(state["state"][i]["exp_avg"], want["state"][i]["exp_avg"])
+        for i in want["state"]))
+    return {"diff": diff, "start_equal": start_equal, "state_equal": state_equal}
+
+
+def ps_hook(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
+    """The PS hook, both modes, against plain SGD applied locally."""
+    x, y = digits()
+    steps = 8
+    # One shard per job: a shard serves one job (one optimizer).
+    addresses = os.environ["PS_ADDRESSES"].split(",")
+    out = {}
+    for address, job, server_opt in ((addresses[0], "params", ps.SGD(lr=0.2)),
+                                     (addresses[1], "grads", ps.Aggregate())):
+        net = DDP(model(seed=rank), bucket_cap_mb=BUCKET_MB)
+        client = ps.SyncClient([address], worker=rank, num_workers=world,
+                               optimizer=server_opt)
+        try:
+            state = twt.PSState(client, net.module)
+            net.register_comm_hook(state, twt.ps_hook)
+            opt = torch.optim.SGD(net.parameters(), lr=0.2 if job == "grads" else 0.0)
+            train(net, opt, steps, lambda s: batch(x, y, s, rank, world))
+        finally:
+            client.close()
+        alone = model(seed=0)
+        train(alone, torch.optim.SGD(alone.parameters(), lr=0.2), steps,
+              lambda s: global_batch(x, y, s, world))
+        out[job] = float((flat(net.module) - flat(alone)).abs().max())
+    return out
+
+
+def compress(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
+    """fp16 with error feedback converges as plain does, with half the bytes."""
+    x, y = digits()
+    n_train = 1400
+    steps = 200
+    out: dict[str, Any] = {}
+    for codec in (None, "fp16", "int8"):
+        before = _allreduce_bytes(group)
+        net = DDP(model(), bucket_cap_mb=BUCKET_MB)
+        net.register_comm_hook(twt.AllreduceState(group, compression=codec),
+                               twt.allreduce_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        train(net, opt, steps, lambda s: batch(x[:n_train], y[:n_train], s, rank, world))
+        with torch.no_grad():
+            accuracy = float((net.module(x[n_train:]).argmax(1) == y[n_train:]).float().mean())
+        out[str(codec)] = {"accuracy": accuracy, "bytes": _allreduce_bytes(group) - before}
+    return out
+
+
+def _allreduce_bytes(group: SyncGroup) -> int:
+    return sum(m["bytes_out"] for name, m in group.metrics().items()
+               if name.startswith(("allreduce", "allgather")))
+
+
+def kill(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
+    """The last rank dies mid-step; the others' backward raises within the timeout."""
+    x, y = digits()
+    net = DDP(model(), bucket_cap_mb=BUCKET_MB)
+    state = twt.AllreduceState(group)
+    net.register_comm_hook(state, twt.allreduce_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step in range(5):
+        xb, yb = batch(x, y, step, rank, world)
+        opt.zero_grad()
+        loss = loss_fn(net(xb), yb)
+        if step == 3 and rank == world - 1:
+            os._exit(17)
+        started = time.monotonic()
+        try:
+            loss.backward()
+        except Exception as exc:
+            return {"step": step, "seconds": time.monotonic() - started,
+                    "raised": type(exc).__name__, "message": str(exc)[:500],
+                    "state_error": type(state.error).__name__}
+        opt.step()
+    return {"raised": None}
+
+
+SCENARIOS = {"ddp": ddp, "optimizer": optimizer, "ps": ps_hook, "compress": compress,
+             "kill": kill}
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['TORCH_STORE']}",
+                            rank=rank, world_size=world)
+    group = SyncGroup.from_env(config=CONFIG)
+    try:
+        found = SCENARIOS[scenario](group, rank, world)
+        report(rank=rank, ok=True, **found)
+    finally:
+        if scenario != "kill":
+            group.close()
+            dist.destroy_process_group()
+    if scenario == "kill":
+        os._exit(0)  # the group is broken and torch's store waits for the dead rank
+
+
+if __name__ == "__main__":
+    main()

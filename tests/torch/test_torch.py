@@ -1,0 +1,125 @@
+"""tensorwire.torch against torch itself, in real processes on loopback.
+
+Each scenario runs as ranks in processes of their own
+(tests/torch/_worker.py); torch.distributed runs beside it on gloo, which
+is the oracle (DDP over gloo, one process on the concatenated batch, plain
+SGD applied locally).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tensorwire.collective import serve_rendezvous
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                reason="torch is not installed")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def run(scenario: str, world: int, tmp_path: Path,
+              env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str, list[int]]:
+    """Start ``world`` ranks of ``scenario``: their reports, their output, their exit codes.
+
+    Not through ``launch``, which stops every rank when one fails: the
+    scenario with a dying rank needs the others to go on and report.
+    """
+    server, master = await serve_rendezvous("tcp://127.0.0.1:0", world)
+    children = []
+    try:
+        for rank in range(world):
+            children.append(await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tests.torch._worker", scenario, cwd=ROOT,
+                env={**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
+                     "TENSORWIRE_MASTER": master, "TENSORWIRE_MASTER_HOSTED": "1",
+                     "TENSORWIRE_LISTEN": "tcp://127.0.0.1:0",
+                     "TORCH_STORE": str(tmp_path / "store")},
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT))
+        outputs = await asyncio.wait_for(
+            asyncio.gather(*(child.communicate() for child in children)), 110)
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+        await server.close(grace=0)
+    reports = []
+    log = ""
+    for rank, (stdout, _) in enumerate(outputs):
+        for line in stdout.decode(errors="replace").splitlines():
+            log += f"[rank {rank}] {line}\n"
+            if line.startswith("{"):
+                reports.append(json.loads(line))
+    codes = [c.returncode if c.returncode is not None else -1 for c in children]
+    return sorted(reports, key=lambda r: r["rank"]), log, codes
+
+
+async def test_ddp_hook_ends_with_gloos_weights(tmp_path: Path) -> None:
+    reports, log, code = await run("ddp", 3, tmp_path)
+    assert code == [0] * len(code), log[-4000:]
+    assert len(reports) == 3, log[-4000:]
+    for r in reports:
+        assert r["moved"] > 1e-2  # the runs trained: the comparison means something
+        assert r["diff"] < 1e-5, r
+        assert r["same_bits"], r
+
+
+async def test_distributed_optimizer_matches_one_process(tmp_path: Path) -> None:
+    reports, log, code = await run("optimizer", 3, tmp_path)
+    assert code == [0] * len(code), log[-4000:]
+    assert len(reports) == 3, log[-4000:]
+    for r in reports:
+        assert r["start_equal"], r
+        assert r["diff"] < 1e-5, r
+        assert r["state_equal"], r
+
+
+async def test_ps_hook_matches_local_sgd(tmp_path: Path) -> None:
+    from tensorwire import ps
+
+    shards = [await ps.serve("tcp://127.0.0.1:0") for _ in range(2)]
+    try:
+        addresses = ",".join(s.addresses[0] for s in shards)
+        reports, log, code = await run("ps", 2, tmp_path, {"PS_ADDRESSES": addresses})
+    finally:
+        for shard in shards:
+            await shard.close(checkpoint=False)
+    assert code == [0] * len(code), log[-4000:]
+    assert len(reports) == 2, log[-4000:]
+    for r in reports:
+        assert r["params"] < 1e-5, r
+        assert r["grads"] < 1e-5, r
+
+
+@pytest.mark.slow
+async def test_compression_converges_with_fewer_bytes(tmp_path: Path) -> None:
+    reports, log, code = await run("compress", 3, tmp_path)
+    assert code == [0] * len(code), log[-4000:]
+    assert len(reports) == 3, log[-4000:]
+    for r in reports:
+        plain, half, int8 = r["None"], r["fp16"], r["int8"]
+        assert plain["accuracy"] > 0.85, r
+        assert half["accuracy"] > plain["accuracy"] - 0.02, r
+        assert int8["accuracy"] > plain["accuracy"] - 0.02, r
+        # fp16 reduces by the same algorithm in half the bytes.
+        assert half["bytes"] == plain["bytes"] // 2, r
+
+
+async def test_a_dead_rank_fails_the_others_backward(tmp_path: Path) -> None:
+    reports, log, code = await run("kill", 3, tmp_path)
+    assert code == [0, 0, 17], log[-4000:]
+    assert [r["rank"] for r in reports] == [0, 1], log[-4000:]
+    for r in reports:
+        assert r["step"] == 3, r
+        assert r["state_error"] == "RankFailedError", r
+        assert "RankFailedError" in r["raised"] + r["message"], r
+        assert r["seconds"] < 30, r  # the group's timeout
