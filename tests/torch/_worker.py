@@ -9,6 +9,7 @@ JSON line with its findings; the test asserts on them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -78,20 +79,22 @@ def flat(net: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
 
-def ddp(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
-    """DDP over gloo and DDP with the tensorwire hook end with the same weights."""
-    x, y = digits()
+def ddp(group: SyncGroup, rank: int, world: int, device: str = "cpu") -> dict[str, Any]:
+    """DDP over gloo and DDP with the tensorwire hook end with the same weights
+    (on ``device``: with ``"cuda"`` the buckets are CUDA tensors)."""
+    x, y = (t.to(device) for t in digits())
     steps = 12
     results = {}
     for name in ("gloo", "tensorwire"):
-        net = DDP(model(), bucket_cap_mb=BUCKET_MB)
+        net = DDP(model().to(device), bucket_cap_mb=BUCKET_MB,
+                  device_ids=[0] if device == "cuda" else None)
         if name == "tensorwire":
             net.register_comm_hook(twt.AllreduceState(group), twt.allreduce_hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
         train(net, opt, steps, lambda s: batch(x, y, s, rank, world))
         results[name] = flat(net.module)
     diff = float((results["gloo"] - results["tensorwire"]).abs().max())
-    moved = float((results["gloo"] - flat(model())).abs().max())
+    moved = float((results["gloo"] - flat(model().to(device))).abs().max())
     # Every rank must hold the same bits: compare with rank 0's.
     mine = results["tensorwire"].clone()
     group.broadcast(mine, src=0)
@@ -208,7 +211,7 @@ def kill(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
 
 
 SCENARIOS = {"ddp": ddp, "optimizer": optimizer, "ps": ps_hook, "compress": compress,
-             "kill": kill}
+             "kill": kill, "ddp_cuda": functools.partial(ddp, device="cuda")}
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def run(scenario: str, world: int, tmp_path: Path,
-              env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str, list[int]]:
+async def run(scenario: str, world: int, tmp_path: Path, env: dict[str, str] | None = None,
+              listen: str = "tcp://127.0.0.1:0") -> tuple[list[dict[str, Any]], str, list[int]]:
     """Start ``world`` ranks of ``scenario``: their reports, their output, their exit codes.
 
     Not through ``launch``, which stops every rank when one fails: the
@@ -41,7 +41,7 @@ async def run(scenario: str, world: int, tmp_path: Path,
                 sys.executable, "-m", "tests.torch._worker", scenario, cwd=ROOT,
                 env={**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
                      "TENSORWIRE_MASTER": master, "TENSORWIRE_MASTER_HOSTED": "1",
-                     "TENSORWIRE_LISTEN": "tcp://127.0.0.1:0",
+                     "TENSORWIRE_LISTEN": listen,
                      "TORCH_STORE": str(tmp_path / "store")},
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT))
         outputs = await asyncio.wait_for(
@@ -69,6 +69,25 @@ async def test_ddp_hook_ends_with_gloos_weights(tmp_path: Path) -> None:
     assert len(reports) == 3, log[-4000:]
     for r in reports:
         assert r["moved"] > 1e-2  # the runs trained: the comparison means something
+        assert r["diff"] < 1e-5, r
+        assert r["same_bits"], r
+
+
+@pytest.mark.gpu
+async def test_ddp_hook_on_cuda_buckets_over_ucx(tmp_path: Path) -> None:
+    # The same oracle with the model on the GPU: DDP's buckets are CUDA
+    # tensors, which the hook reduces on the device over ucx://.
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    if importlib.util.find_spec("ucxx") is None:
+        pytest.skip("ucxx is not installed")
+    reports, log, code = await run("ddp_cuda", 2, tmp_path, listen="ucx://127.0.0.1:0")
+    assert code == [0] * len(code), log[-4000:]
+    assert len(reports) == 2, log[-4000:]
+    for r in reports:
+        assert r["moved"] > 1e-2
         assert r["diff"] < 1e-5, r
         assert r["same_bits"], r
 
