@@ -28,10 +28,9 @@ from ._base import (
     is_device_frame,
     start_eagerly,
 )
+from ._frame_table import ONE_DATA_PRELUDE, ONE_FRAME_WORDS
 from ._wire import (
     GOODBYE,
-    ONE_DATA_PRELUDE,
-    ONE_FRAME_WORDS,
     FrameReader,
     Refused,
     pack_header,

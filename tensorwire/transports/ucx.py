@@ -106,6 +106,18 @@ from ._base import (
     serve_connection,
     writable_view,
 )
+from ._frame_table import (
+    DEVICE_CODES,
+    INLINE_FLAG,
+    KIND_DATA,
+    ONE_FRAME,
+    PRELUDE,
+    PRELUDE_SIZE,
+    decode_table,
+    device_name,
+    encode_table,
+    table_size,
+)
 from ._registry import Backend, parse_host_port
 from ._ucx_runtime import Runtime, acquire, translate, ucx_error_name
 from .config import Limits, TransportConfig
@@ -118,30 +130,21 @@ HELLO = b"TWUCX1"
 BYE = b"bye"
 _ID = struct.Struct("<I")
 _COUNT = struct.Struct("<Q")
-_PRELUDE = struct.Struct("<B3xI")
-KIND_DATA = 0
 TAG_HEADER = 0
 TAG_FRAME = 1
-INLINE_FLAG = 0x80
-_DEVICE_CODES = {"cpu": 0, "cuda": 1}
-_DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
 #: Host frames up to this many bytes in all travel inside the header message:
 #: one UCX message instead of several costs less than the copy.
 INLINE_BYTES = 4096
 #: The header of a message of one inline host frame, up to its bytes: the
 #: prelude (kind, reserved zeros, frame count), the size, the code byte
 #: (INLINE_FLAG) with its zero padding.
-_ONE_INLINE = struct.Struct("<BBHIQQ")
+_ONE_INLINE = ONE_FRAME
 #: The control channel carries only hellos and goodbyes.
 _CONTROL_LIMITS = Limits(max_frame_bytes=64 * 1024, max_frames=4, max_message_bytes=128 * 1024)
 
 
 def _ignore_completion(request: Any) -> None:
     """The completion of a send whose connection had already failed."""
-
-
-def _table_size(nframes: int) -> int:
-    return 8 * nframes + (nframes + 7) // 8 * 8
 
 
 def _control_config(config: TransportConfig) -> TransportConfig:
@@ -199,7 +202,7 @@ class _Outgoing:
             if is_device_frame(frame):
                 nbytes = device_nbytes(frame)
                 sizes.append(nbytes)
-                codes.append(_DEVICE_CODES["cuda"])
+                codes.append(DEVICE_CODES["cuda"])
                 device = True
                 if nbytes:
                     separate.append(frame)
@@ -208,23 +211,14 @@ class _Outgoing:
             nbytes = view.nbytes
             sizes.append(nbytes)
             if nbytes and inline_total + nbytes <= INLINE_BYTES:
-                codes.append(_DEVICE_CODES["cpu"] | INLINE_FLAG)
+                codes.append(DEVICE_CODES["cpu"] | INLINE_FLAG)
                 inline.append(view)
                 inline_total += nbytes
             else:
-                codes.append(_DEVICE_CODES["cpu"])
+                codes.append(DEVICE_CODES["cpu"])
                 if nbytes:
                     separate.append(view)
-        n = len(sizes)
-        self.header = b"".join(
-            [
-                _PRELUDE.pack(KIND_DATA, n),
-                struct.pack(f"<{n}Q", *sizes),
-                bytes(codes),
-                b"\0" * (-n % 8),
-                *inline,
-            ]
-        )
+        self.header = b"".join([encode_table(sizes, codes), *inline])
         self.frames = separate
         self.nbytes = sum(sizes)
         if device:
@@ -239,34 +233,29 @@ class _Announced:
     __slots__ = ("infos", "inline", "nbytes")
 
     def __init__(self, header: memoryview, limits: Limits, *, check: bool = True) -> None:
-        if len(header) < _PRELUDE.size:
+        if len(header) < PRELUDE_SIZE:
             raise ProtocolError("UCX message header too short")
-        kind, n = _PRELUDE.unpack_from(header)
-        if kind != KIND_DATA or any(header[1:4]):
+        kind, reserved1, reserved2, n = PRELUDE.unpack_from(header)
+        if kind != KIND_DATA or reserved1 or reserved2:
             raise ProtocolError(f"bad UCX message header (kind {kind})")
         check_frame_count(n, limits)
-        table_end = _PRELUDE.size + _table_size(n)
+        table_end = PRELUDE_SIZE + table_size(n)
         if len(header) < table_end:
             raise ProtocolError("UCX message header shorter than its frame table")
-        sizes = struct.unpack_from(f"<{n}Q", header, _PRELUDE.size)
-        codes = header[_PRELUDE.size + 8 * n : _PRELUDE.size + 9 * n]
-        if any(header[_PRELUDE.size + 9 * n : table_end]):
-            raise ProtocolError("nonzero padding in frame table")
+        sizes, codes = decode_table(header, n, PRELUDE_SIZE)
         if check:
             check_limits(sizes, limits)
         infos: list[FrameInfo] = []
         inline: dict[int, memoryview] = {}
         offset = table_end
         for index, (size, code) in enumerate(zip(sizes, codes, strict=True)):
-            device = code & ~INLINE_FLAG
-            if device >= len(_DEVICE_NAMES):
-                raise ProtocolError(f"unknown device code {device} for frame {index}")
+            device = device_name(code & ~INLINE_FLAG, index)
             if code & INLINE_FLAG:
-                if device != 0 or offset + size > len(header):
+                if device != "cpu" or offset + size > len(header):
                     raise ProtocolError(f"bad inline frame {index}")
                 inline[index] = header[offset : offset + size]
                 offset += size
-            infos.append(FrameInfo(index, size, _DEVICE_NAMES[device]))
+            infos.append(FrameInfo(index, size, device))
         self.infos = infos
         self.inline = inline
         self.nbytes = sum(sizes)
@@ -310,7 +299,7 @@ class UCXConnection(Connection):
                 runtime, exc, f"cannot reach UCX worker of {self._peer_address}"
             ) from exc
         runtime.kick()
-        capacity = _PRELUDE.size + _table_size(config.limits.max_frames) + INLINE_BYTES
+        capacity = PRELUDE_SIZE + table_size(config.limits.max_frames) + INLINE_BYTES
         self._header_buf = bytearray(capacity)
         self._header_view = memoryview(self._header_buf)
         # One wrapper for every header receive (UCX writes into the buffer).
