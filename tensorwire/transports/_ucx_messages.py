@@ -45,6 +45,7 @@ INLINE_BYTES = 4096
 #: (INLINE_FLAG) with its zero padding.
 ONE_INLINE = ONE_FRAME
 
+
 class Outgoing:
     """One message prepared for sending: the header and the separate frames."""
 
