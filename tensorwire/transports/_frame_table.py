@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ProtocolError
-from ._base import Device
+from ._frames import Device
 
 __all__ = (
     "DEVICE_CODES",

@@ -17,14 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConnectionClosedError, LimitExceededError, TensorwireError, TransportError
-from ._base import (
-    READ_BUDGET_MESSAGES,
-    Allocator,
-    RecvQueue,
-    call_consumer,
-    consumer_failed,
-    default_allocator,
-)
+from ._delivery import READ_BUDGET_MESSAGES, RecvQueue, call_consumer, consumer_failed
+from ._frames import Allocator, default_allocator
 from ._stream_sending import StreamSending
 from ._wire import GOODBYE, FrameReader, Refused
 from .config import TransportConfig

@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConnectionClosedError, TensorwireError
-from ._base import Connection, device_nbytes, host_view, is_device_frame, start_eagerly
+from ._base import Connection
+from ._eager import start_eagerly
 from ._frame_table import ONE_DATA_PRELUDE, ONE_FRAME_WORDS
+from ._frames import device_nbytes, host_view, is_device_frame
 from ._wire import pack_header, pack_one_frame
 
 __all__ = ("StreamSending", "outgoing")

@@ -20,20 +20,17 @@ from ..errors import (
     TensorwireError,
     TransportError,
 )
-from ._base import (
-    READ_BUDGET_MESSAGES,
+from ._base import Connection
+from ._delivery import READ_BUDGET_MESSAGES, RecvQueue, call_consumer, consumer_failed
+from ._frame_table import INLINE_FLAG, KIND_DATA, PRELUDE_SIZE, table_size
+from ._frames import (
     Allocator,
-    Connection,
     FrameInfo,
-    RecvQueue,
-    call_consumer,
-    consumer_failed,
     default_allocator,
     device_nbytes,
     host_empty,
     writable_view,
 )
-from ._frame_table import INLINE_FLAG, KIND_DATA, PRELUDE_SIZE, table_size
 from ._ucx_messages import INLINE_BYTES, ONE_INLINE, Announced, Outgoing
 from ._ucx_runtime import Runtime, translate, ucx_error_name
 from ._ucx_skipping import RefusedSkipping

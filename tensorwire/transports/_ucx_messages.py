@@ -13,14 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ProtocolError
-from ._base import (
-    FrameInfo,
-    check_frame_count,
-    check_limits,
-    device_nbytes,
-    host_view,
-    is_device_frame,
-)
 from ._frame_table import (
     DEVICE_CODES,
     INLINE_FLAG,
@@ -33,6 +25,8 @@ from ._frame_table import (
     encode_table,
     table_size,
 )
+from ._frames import FrameInfo, device_nbytes, host_view, is_device_frame
+from ._limit_checks import check_frame_count, check_limits
 from .config import Limits
 
 __all__ = ("INLINE_BYTES", "ONE_INLINE", "Announced", "Outgoing")

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LimitExceededError, TensorwireError
-from ._base import call_consumer, refused_head
+from ._delivery import call_consumer
+from ._limit_checks import refused_head
 from ._ucx_messages import Announced
 from ._ucx_runtime import Runtime, translate, ucx_error_name
 from .config import TransportConfig

@@ -13,16 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import LimitExceededError, ProtocolError, TensorwireError, TransportError
-from ._base import (
-    ALIGNMENT,
-    FrameInfo,
-    check_frame_count,
-    check_limits,
-    default_allocator,
-    host_empty,
-    refused_head,
-    writable_view,
-)
 from ._frame_table import (
     DEVICE_CODES,
     KIND_DATA,
@@ -37,6 +27,8 @@ from ._frame_table import (
     encode_table,
     table_size,
 )
+from ._frames import ALIGNMENT, FrameInfo, default_allocator, host_empty, writable_view
+from ._limit_checks import check_frame_count, check_limits, refused_head
 from .config import Limits
 
 __all__ = (

@@ -77,7 +77,8 @@ import logging
 import struct
 
 from ..errors import ProtocolError, TensorwireError, TransportError
-from ._base import Allocator, Connection, ConnectionHandler, Listener, serve_connection
+from ._base import Connection, ConnectionHandler, Listener, serve_connection
+from ._frames import Allocator
 from ._registry import Backend, parse_host_port
 from ._ucx_connection import UCXConnection, to_ucx_url
 from ._ucx_runtime import Runtime, acquire
