@@ -9,7 +9,7 @@ One codec for both transports (docs/protocol.md, "Message" and "ucx://"):
                          ucx:// bit 7 marks a frame inline in the header
               pad        zero bytes up to a multiple of 8
 
-A byte stream then carries the frames' bytes (``_framing.FrameReader``
+A byte stream then carries the frames' bytes (``_stream_framing.FrameReader``
 reads them); ucx:// carries the inline frames after the table in the same
 UCX message and every other frame as a UCX message of its own.
 """

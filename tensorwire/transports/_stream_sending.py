@@ -3,7 +3,7 @@ scatter-gather write (``outgoing``), the send lock, writing at once where
 the socket takes it, and finishing a message whose sender was cancelled
 part-way (the peer's framing must hold).
 
-A part of :class:`~._stream.StreamConnection`, in a module of its own: the
+A part of :class:`~._stream_connection.StreamConnection`, in a module of its own: the
 connection's state it works on is declared below for the type checker; the
 driver (tcp://) supplies ``_write``, ``_write_now`` and ``_shutdown_write``.
 """
@@ -20,7 +20,7 @@ from ._base import Connection
 from ._eager import start_eagerly
 from ._frame_table import ONE_DATA_PRELUDE, ONE_FRAME_WORDS
 from ._frames import device_nbytes, host_view, is_device_frame
-from ._wire import pack_header, pack_one_frame
+from ._stream_framing import pack_header, pack_one_frame
 
 __all__ = ("StreamSending", "outgoing")
 

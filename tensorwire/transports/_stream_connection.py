@@ -19,8 +19,8 @@ from typing import Any
 from ..errors import ConnectionClosedError, LimitExceededError, TensorwireError, TransportError
 from ._delivery import READ_BUDGET_MESSAGES, RecvQueue, call_consumer, consumer_failed
 from ._frames import Allocator, default_allocator
+from ._stream_framing import GOODBYE, FrameReader, Refused
 from ._stream_sending import StreamSending
-from ._wire import GOODBYE, FrameReader, Refused
 from .config import TransportConfig
 
 __all__ = ("StreamConnection",)
