@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ._metrics import HISTOGRAM_EDGES
+from ._counters import HISTOGRAM_EDGES
 from .errors import ConfigError
 
 __all__ = ("Collector", "MetricsEndpoint", "prometheus_text", "serve_metrics")

@@ -142,7 +142,7 @@ async def test_prometheus_text_and_endpoint() -> None:
 
 def test_histograms_of_two_processes_add_up() -> None:
     # What percentiles cannot do: Prometheus sums the buckets of processes.
-    from tensorwire._metrics import HISTOGRAM_EDGES, Metrics
+    from tensorwire._counters import HISTOGRAM_EDGES, Metrics
 
     first, second, both = Metrics(), Metrics(), Metrics()
     for seconds in (3e-6, 2e-4, 2e-4, 0.5):

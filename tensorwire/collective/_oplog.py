@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from .._metrics import Metrics
+from .._counters import Metrics
 from ..errors import (
     CollectiveError,
     CollectiveTimeout,

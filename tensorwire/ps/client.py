@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._metrics import Metrics
+from .._counters import Metrics
 from ..errors import (
     ConfigError,
     FailedPrecondition,

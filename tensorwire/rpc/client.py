@@ -16,7 +16,7 @@ from heapq import heappush
 from typing import Any, TypeAlias, TypeVar, cast, final
 
 from .. import serde
-from .._metrics import MethodMetrics, Metrics
+from .._counters import MethodMetrics, Metrics
 from ..errors import (
     ConfigError,
     DeadlineExceeded,
@@ -30,7 +30,7 @@ from ..errors import (
 )
 from ..transports import connect as transport_connect
 from . import protocol
-from ._channel import Channel
+from ._connection_driver import ConnectionDriver
 from ._proxy import Proxy
 from ._slots import Slots
 from .config import ClientConfig
@@ -84,7 +84,7 @@ class _Pending:
     """A streaming call in flight, or a unary call with a streamed argument:
     its future, its queue of messages (streams), its credit.
 
-    A plain unary call waits on a bare future instead (see ``_Session.pending``).
+    A plain unary call waits on a bare future instead (see ``_ClientSession.pending``).
     Either future's result is ``(message, nbytes)``.
     """
 
@@ -120,7 +120,7 @@ class _Pending:
             self.credit_event.set()
 
 
-#: What ``_Session.pending`` holds for a call: a bare future for a plain
+#: What ``_ClientSession.pending`` holds for a call: a bare future for a plain
 #: unary call (the hot path: no object of ours per call), else a _Pending.
 _InFlight: TypeAlias = "asyncio.Future[tuple[protocol.Message, int]] | _Pending"
 
@@ -131,14 +131,14 @@ def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
         future.exception()  # retrieved: a stream may never look at it
 
 
-class _Session:
+class _ClientSession:
     """One connection of a client."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
         self.pending: dict[int, _InFlight] = {}
         self.ids = itertools.count(1)
-        self.channel: Channel | None = None
+        self.driver: ConnectionDriver | None = None
         self.loop = asyncio.get_running_loop()
         self.slots = Slots(1, self.loop)
         self.error: TensorwireError | None = None
@@ -197,7 +197,7 @@ class _Session:
             conn.abort()
             raise
         self.slots = Slots(shake.max_concurrent or 1, self.loop)
-        self.channel = Channel(
+        self.driver = ConnectionDriver(
             conn,
             self._on_message,
             self._on_close,
@@ -206,11 +206,11 @@ class _Session:
             on_refused=self._on_refused,
             max_unsent=config.transport.max_unsent_bytes,
         )
-        self.channel.start()
+        self.driver.start()
 
     @property
     def alive(self) -> bool:
-        return self.channel is not None and not self.channel.closed
+        return self.driver is not None and not self.driver.closed
 
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
         if type(message) is protocol.Response:
@@ -260,8 +260,8 @@ class _Session:
             return
         # A stream: the consumer still gets the items before this one, then
         # the error, in order; the server stops producing.
-        if self.channel is not None:
-            self.channel.send_soon(protocol.Cancel(message.call_id))
+        if self.driver is not None:
+            self.driver.send_soon(protocol.Cancel(message.call_id))
         pending.deliver(protocol.Error(message.call_id, int(exhausted.status),
                                        type(exhausted).__name__, exhausted.message, ""), 0)
 
@@ -287,8 +287,8 @@ class _Session:
         self.deadlines.clear()
 
     async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
+        if self.driver is not None:
+            await self.driver.close()
 
 
 class Client:
@@ -301,7 +301,7 @@ class Client:
     def __init__(self, address: str, *, config: ClientConfig | None = None) -> None:
         self.address = address
         self.config = config or ClientConfig()
-        self._session: _Session | None = None
+        self._session: _ClientSession | None = None
         self._connecting: asyncio.Lock | None = None
         self._failures = 0
         self._next_attempt = 0.0
@@ -348,11 +348,11 @@ class Client:
     def transport_stats(self) -> dict[str, dict[str, int]]:
         """The current connection's messages and bytes each way, by server address."""
         session = self._session
-        if session is None or session.channel is None:
+        if session is None or session.driver is None:
             return {}
-        return {self.address: session.channel.conn.stats()}
+        return {self.address: session.driver.conn.stats()}
 
-    async def _ready(self) -> _Session:
+    async def _ready(self) -> _ClientSession:
         if self._closed:
             raise Unavailable("the client is closed")
         session = self._session
@@ -366,7 +366,7 @@ class Client:
                 return session
             return await self._reconnect()
 
-    async def _ready_by(self, deadline: float, method: str) -> _Session:
+    async def _ready_by(self, deadline: float, method: str) -> _ClientSession:
         """Connect, within the call's deadline."""
         try:
             async with asyncio.timeout_at(deadline):
@@ -376,14 +376,14 @@ class Client:
                 f"{method}: could not connect to {self.address} within the call's deadline"
             ) from None
 
-    async def _reconnect(self) -> _Session:
+    async def _reconnect(self) -> _ClientSession:
         config = self.config
         last: BaseException | None = None
         for _ in range(config.reconnect_attempts):
             delay = self._next_attempt - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            session = _Session(self)
+            session = _ClientSession(self)
             try:
                 async with asyncio.timeout(config.connect_timeout):
                     await session.open()
@@ -464,10 +464,10 @@ class Client:
             try:
                 session = self._session
                 # session.alive, inlined
-                channel = None if session is None else session.channel
-                if session is None or channel is None or channel.error is not None:
+                driver = None if session is None else session.driver
+                if session is None or driver is None or driver.error is not None:
                     session = await self._ready_by(deadline, method)
-                    channel = _channel(session)
+                    driver = _driver(session)
                     waited = True
                 error = True
                 try:
@@ -513,7 +513,7 @@ class Client:
                             session.arm(expires)
                         pump: asyncio.Task[None] | None = None
                         try:
-                            metrics.bytes_out += channel.post_frames(protocol.encode_request(
+                            metrics.bytes_out += driver.post_frames(protocol.encode_request(
                                 call_id, method, remaining, stream_arg, payload))
                             if source is not None:
                                 assert type(pending) is _Pending
@@ -596,15 +596,15 @@ class Client:
                 call_id, pending = self._register(session, metrics, streaming=True)
                 pump: asyncio.Task[None] | None = None
                 try:
-                    channel = _channel(session)
+                    driver = _driver(session)
                     remaining = deadline - loop.time()
                     if not 0.0 < remaining < _LONGEST:
                         remaining = _sendable(remaining)
                     async with asyncio.timeout_at(deadline):
-                        metrics.bytes_out += await channel.send(
+                        metrics.bytes_out += await driver.send(
                             protocol.Request(call_id, method, remaining, stream_arg, payload)
                         )
-                    channel.send_soon(protocol.Credit(call_id, window))
+                    driver.send_soon(protocol.Credit(call_id, window))
                     if source is not None:
                         pending.credit_event = asyncio.Event()
                         pump = loop.create_task(self._pump(session, call_id, pending, source))
@@ -627,7 +627,7 @@ class Client:
                         assert isinstance(message, protocol.Item)
                         consumed += 1
                         if consumed >= max(1, window // 2):
-                            channel.send_soon(protocol.Credit(call_id, consumed))
+                            driver.send_soon(protocol.Credit(call_id, consumed))
                             consumed = 0
                         yield self._decoder.decode(message.value[0], message.value[1:])
                 finally:
@@ -648,9 +648,9 @@ class Client:
                 self.config.timeline.add_since(method, "rpc.client", started, error=error)
 
     async def _pump(
-        self, session: _Session, call_id: int, pending: _Pending, source: AsyncIterable[Any]
+        self, session: _ClientSession, call_id: int, pending: _Pending, source: AsyncIterable[Any]
     ) -> None:
-        channel = _channel(session)
+        driver = _driver(session)
         event = pending.credit_event
         assert event is not None
         try:
@@ -659,8 +659,8 @@ class Client:
                     event.clear()
                     await event.wait()
                 pending.credit -= 1
-                await channel.send(protocol.Item(call_id, self._encode(item)))
-            await channel.send(protocol.End(call_id))
+                await driver.send(protocol.Item(call_id, self._encode(item)))
+            await driver.send(protocol.End(call_id))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -671,7 +671,7 @@ class Client:
         header, buffers = self._encoder.encode(value)
         return [header, *buffers]
 
-    def _register(self, session: _Session, metrics: MethodMetrics, *,
+    def _register(self, session: _ClientSession, metrics: MethodMetrics, *,
                   streaming: bool) -> tuple[int, _Pending]:
         if session.error is not None:
             raise Unavailable(f"connection to {self.address} lost: {session.error}")
@@ -680,10 +680,10 @@ class Client:
         session.pending[call_id] = pending
         return call_id, pending
 
-    def _cancel_remote(self, session: _Session, call_id: int) -> None:
-        channel = session.channel
-        if channel is not None and call_id in session.pending:
-            channel.send_soon(protocol.Cancel(call_id))
+    def _cancel_remote(self, session: _ClientSession, call_id: int) -> None:
+        driver = session.driver
+        if driver is not None and call_id in session.pending:
+            driver.send_soon(protocol.Cancel(call_id))
 
     # -- proxies and introspection ----------------------------------------------
 
@@ -702,11 +702,11 @@ class Client:
         return result
 
 
-def _channel(session: _Session) -> Channel:
-    channel = session.channel
-    if channel is None:
+def _driver(session: _ClientSession) -> ConnectionDriver:
+    driver = session.driver
+    if driver is None:
         raise Unavailable("not connected")
-    return channel
+    return driver
 
 
 async def _stop(task: asyncio.Task[None] | None) -> None:

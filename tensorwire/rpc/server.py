@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from .. import serde
-from .._metrics import MethodMetrics, Metrics
+from .._counters import MethodMetrics, Metrics
 from ..errors import (
     ConfigError,
     ConnectionClosedError,
@@ -33,7 +33,7 @@ from ..errors import (
 )
 from ..transports import Connection, Listener, listen
 from . import protocol
-from ._channel import Channel
+from ._connection_driver import ConnectionDriver
 from ._slots import Slots
 from .config import ServerConfig
 from .service import (
@@ -100,7 +100,7 @@ class Server:
         for service in [*services, Reflection(self)]:
             self._add(service)
         self._listeners: list[Listener] = []
-        self._sessions: set[_Session] = set()
+        self._sessions: set[_ServerSession] = set()
         self._slots: Slots | None = None
         self._closing = False
         self._closed: asyncio.Event | None = None
@@ -179,7 +179,7 @@ class Server:
 
     def transport_stats(self) -> dict[str, dict[str, int]]:
         """Per connected client (by its address): messages and bytes each way."""
-        return {s.channel.conn.peer_address: s.channel.conn.stats() for s in self._sessions}
+        return {s.driver.conn.peer_address: s.driver.conn.stats() for s in self._sessions}
 
     def describe(self) -> list[dict[str, Any]]:
         """The hosted services, their methods, signatures and docstrings."""
@@ -233,7 +233,7 @@ class Server:
             return
         if name is None:
             return
-        session = _Session(self, conn, name, refused)
+        session = _ServerSession(self, conn, name, refused)
         self._sessions.add(session)
         try:
             await session.run()
@@ -267,7 +267,7 @@ class Server:
         return handler
 
 
-class _Session:
+class _ServerSession:
     """One client connection on the server."""
 
     def __init__(self, server: Server, conn: Connection, client_name: str,
@@ -277,7 +277,7 @@ class _Session:
         # Requests skipped while the handshake was answered.
         self._refused_early = refused
         self.calls: dict[int, _Call] = {}
-        self.channel = Channel(conn, self._on_message, self._on_close,
+        self.driver = ConnectionDriver(conn, self._on_message, self._on_close,
                                heartbeat_timeout=server.config.heartbeat_timeout,
                                on_refused=self._on_refused,
                                max_unsent=server.config.transport.max_unsent_bytes)
@@ -293,7 +293,7 @@ class _Session:
         self._slots = slots
 
     async def run(self) -> None:
-        self.channel.start(refused=self._refused_early)
+        self.driver.start(refused=self._refused_early)
         try:
             await self._done.wait()
         finally:
@@ -301,7 +301,7 @@ class _Session:
                 call.task.cancel()
             await asyncio.gather(*(c.task for c in list(self.calls.values())),
                                  return_exceptions=True)
-            await self.channel.close()
+            await self.driver.close()
 
     def stop_new_calls(self) -> None:
         self._accepting = False
@@ -311,7 +311,7 @@ class _Session:
 
     async def close(self) -> None:
         self._done.set()
-        await self.channel.close()
+        await self.driver.close()
 
     def _on_close(self, error: TensorwireError) -> None:
         self._done.set()
@@ -322,7 +322,7 @@ class _Session:
             return
         call = self.calls.get(message.call_id)
         if isinstance(message, protocol.Ping):
-            self.channel.send_soon(protocol.Pong(0))
+            self.driver.send_soon(protocol.Pong(0))
         elif isinstance(message, protocol.Cancel):
             if call is not None:
                 # The client freed its slot already: stop counting the call
@@ -350,14 +350,14 @@ class _Session:
                 handler.metrics.observe(0.0, True)
             exhausted = ResourceExhausted(
                 f"the request to {message.method} is beyond this server's limits: {error}")
-            self.channel.send_soon(_error_message(message.call_id, exhausted))
+            self.driver.send_soon(_error_message(message.call_id, exhausted))
         elif isinstance(message, protocol.Item):
             call = self.calls.pop(message.call_id, None)
             if call is not None:
                 call.task.cancel()
                 exhausted = ResourceExhausted(
                     f"a stream item is beyond this server's limits: {error}")
-                self.channel.send_soon(_error_message(message.call_id, exhausted))
+                self.driver.send_soon(_error_message(message.call_id, exhausted))
         else:
             # No call to blame: the connection cannot go on sensibly.
             raise error
@@ -372,7 +372,7 @@ class _Session:
                 Unavailable("the server is shutting down") if not self._accepting
                 else ResourceExhausted(f"more than {self._limit} calls in flight on one connection")
             )
-            self.channel.send_soon(_error_message(call_id, error))
+            self.driver.send_soon(_error_message(call_id, error))
             return
         handler = self._handlers.get(request.method)
         slots = self._slots
@@ -435,7 +435,7 @@ class _Session:
         if reply is not None:
             # Not contextlib.suppress: three Python calls more, every call.
             try:  # noqa: SIM105
-                metrics.bytes_out += self.channel.post_frames(reply)
+                metrics.bytes_out += self.driver.post_frames(reply)
             except Unavailable:
                 pass  # the connection is gone: nobody to answer
 
@@ -453,7 +453,7 @@ class _InStream:
 
     def feed(self, message: protocol.Message) -> None:
         if len(self._items) > self.window:
-            self._call.session.channel.close_with(
+            self._call.session.driver.close_with(
                 ProtocolError("client sent stream items beyond its credit")
             )
             return
@@ -476,7 +476,7 @@ class _InStream:
             raise StopAsyncIteration
         self._consumed += 1
         if self._consumed >= max(1, self.window // 2):
-            self._call.session.channel.send_soon(protocol.Credit(self._call.call_id,
+            self._call.session.driver.send_soon(protocol.Credit(self._call.call_id,
                                                                  self._consumed))
             self._consumed = 0
         assert isinstance(message, protocol.Item)
@@ -575,7 +575,7 @@ def _format(error: BaseException) -> str:
 class _Call:
     """One call running on the server."""
 
-    def __init__(self, session: _Session, request: protocol.Request, nbytes: int) -> None:
+    def __init__(self, session: _ServerSession, request: protocol.Request, nbytes: int) -> None:
         self.session = session
         self.call_id = request.call_id
         self.request = request
@@ -587,7 +587,7 @@ class _Call:
         self._expired = False
         # The session's loop, not get_running_loop(): on Python 3.11 that asks
         # the OS for the pid every time, and this runs for every call.
-        self._loop = session.channel.loop
+        self._loop = session.driver.loop
         self.task = self._loop.create_task(self._run())
 
     def grant(self, count: int) -> None:
@@ -611,7 +611,7 @@ class _Call:
             self.metrics.bytes_in += nbytes
 
     async def _send(self, message: protocol.Message) -> None:
-        sent = await self.session.channel.send(message)
+        sent = await self.session.driver.send(message)
         if self.metrics is not None:
             self.metrics.bytes_out += sent
 
@@ -676,7 +676,7 @@ class _Call:
         if reply is not None:
             # Queued without waiting: the reply holds its own frames.
             with contextlib.suppress(Unavailable):
-                sent = self.session.channel.post(reply)
+                sent = self.session.driver.post(reply)
                 if self.metrics is not None:
                     self.metrics.bytes_out += sent
 
@@ -691,7 +691,7 @@ class _Call:
             args.insert(stream_arg, self.instream)
         _check_arguments(handler, args, kwargs)
         if self.instream is not None:
-            self.session.channel.send_soon(protocol.Credit(self.call_id, self.instream.window))
+            self.session.driver.send_soon(protocol.Credit(self.call_id, self.instream.window))
         return args, kwargs
 
     async def _stream(self, handler: _Handler, args: list[Any], kwargs: dict[str, Any]) -> None:

@@ -5,7 +5,8 @@ the URL scheme: ``tcp://host:port``, ``ucx://host:port``, ``inproc://name``.
 Transports never look inside a frame.
 """
 
-from ._base import Allocator, Connection, ConnectionHandler, FrameInfo, Listener, default_allocator
+from ._base import Connection, ConnectionHandler, Listener
+from ._frames import Allocator, FrameInfo, default_allocator
 from ._pool import BufferPool, PoolStats, buffer_pool
 from ._registry import (
     Backend,

@@ -12,7 +12,8 @@ import urllib.parse
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedTransportError
-from ._base import Allocator, Connection, ConnectionHandler, Listener
+from ._base import Connection, ConnectionHandler, Listener
+from ._frames import Allocator
 from .config import TransportConfig
 
 __all__ = ("Backend", "connect", "format_host_port", "listen", "parse_host_port",

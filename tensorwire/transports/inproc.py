@@ -21,20 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ConfigError, ConnectionClosedError, LimitExceededError, TransportError
-from ._base import (
-    Allocator,
-    Connection,
-    ConnectionHandler,
-    FrameInfo,
-    Listener,
-    check_limits,
-    device_nbytes,
-    host_view,
-    is_device_frame,
-    refused_head,
-    serve_connection,
-    writable_view,
-)
+from ._base import Connection, ConnectionHandler, Listener, serve_connection
+from ._frames import Allocator, FrameInfo, device_nbytes, host_view, is_device_frame, writable_view
+from ._limit_checks import check_limits, refused_head
 from ._registry import Backend
 from .config import TransportConfig
 

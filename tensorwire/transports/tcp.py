@@ -24,19 +24,13 @@ import ssl
 from typing import Any, cast
 
 from ..errors import ConnectionClosedError, TensorwireError, TransportError
-from ._base import (
-    READ_BUDGET_BYTES,
-    READ_BUDGET_MESSAGES,
-    Admission,
-    Allocator,
-    Connection,
-    ConnectionHandler,
-    Listener,
-    serve_connection,
-)
+from ._admission import Admission
+from ._base import Connection, ConnectionHandler, Listener, serve_connection
+from ._delivery import READ_BUDGET_BYTES, READ_BUDGET_MESSAGES
+from ._frames import Allocator
 from ._registry import Backend, format_host_port, parse_host_port
-from ._stream import StreamConnection
-from ._wire import HANDSHAKE
+from ._stream_connection import StreamConnection
+from ._stream_framing import HANDSHAKE
 from .config import TransportConfig
 
 __all__ = ("TCPBackend", "TCPListener", "backend")

@@ -17,7 +17,7 @@ import pytest
 
 from tensorwire.errors import ConfigError
 from tensorwire.transports import BufferPool, buffer_pool
-from tensorwire.transports._base import host_empty
+from tensorwire.transports._frames import host_empty
 from tensorwire.transports._pool import POOL_MIN_BYTES
 
 MiB = 1 << 20

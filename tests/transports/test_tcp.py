@@ -21,7 +21,7 @@ import trustme
 
 from tensorwire.errors import ConnectionClosedError, ProtocolError, TransportError
 from tensorwire.transports import Connection, Listener, TransportConfig, connect, listen
-from tensorwire.transports._wire import HANDSHAKE
+from tensorwire.transports._stream_framing import HANDSHAKE
 
 from .test_conformance import as_bytes, echo, pattern
 

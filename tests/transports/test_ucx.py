@@ -30,7 +30,7 @@ from tensorwire.transports import (
     connect,
     listen,
 )
-from tensorwire.transports._wire import HANDSHAKE
+from tensorwire.transports._stream_framing import HANDSHAKE
 
 from .test_conformance import as_bytes, echo, pattern
 from .test_tcp import send_raw

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from tensorwire.errors import LimitExceededError, ProtocolError, TransportError
 from tensorwire.transports import FrameInfo, Limits
-from tensorwire.transports._base import default_allocator
-from tensorwire.transports._wire import (
+from tensorwire.transports._frames import default_allocator
+from tensorwire.transports._stream_framing import (
     DIRECT_MIN,
     GOODBYE,
     HANDSHAKE,

@@ -28,12 +28,12 @@ from ..transports import Connection
 from . import protocol
 from .protocol import Message
 
-__all__ = ("BATCH", "Channel", "frames_nbytes")
+__all__ = ("BATCH", "ConnectionDriver", "frames_nbytes")
 
 logger = logging.getLogger(__name__)
 
 #: Messages posted in one loop turn are written together, this many at a time
-#: (see ``Channel.post``).
+#: (see ``ConnectionDriver.post``).
 BATCH = 32
 
 
@@ -61,7 +61,7 @@ def frames_nbytes(frames: list[Any]) -> int:
     return total
 
 
-class Channel:
+class ConnectionDriver:
     """Reads, parses and dispatches messages; sends; watches the peer."""
 
     def __init__(
@@ -213,7 +213,7 @@ class Channel:
         return frames_nbytes(frames)
 
     def send_soon(self, message: Message) -> None:
-        """Send without waiting (pongs, cancels, credits); a closed channel drops it."""
+        """Send without waiting (pongs, cancels, credits); a closed driver drops it."""
         if self.error is None:
             self._post(message)
 
@@ -280,7 +280,7 @@ class Channel:
         self._on_close(error)
 
     async def close(self) -> None:
-        """Close the connection politely and wait for the channel's tasks."""
+        """Close the connection politely and wait for the driver's tasks."""
         if self.error is None:
             self.error = ConnectionClosedError("closed by this side")
             outbox, flushed = self._outbox, self._flushed
@@ -306,7 +306,7 @@ class Channel:
         current = asyncio.current_task()
         pending = [t for t in self._tasks if t is not current]
         await asyncio.gather(*pending, return_exceptions=True)
-        # The channel is done: let go of its tasks and of the session's
+        # The driver is done: let go of its tasks and of the session's
         # callbacks, which refer back to it, so that a closed connection's
         # objects go by reference counting alone (issue 21).
         self._tasks = [t for t in self._tasks if not t.done()]
@@ -325,7 +325,7 @@ class Channel:
             if not isinstance(exc, ConnectionClosedError):
                 logger.warning("closing connection to %s: %s", conn.peer_address, exc)
             # Kept without its traceback, whose frames would keep this
-            # channel and its connection (a cycle; see wait_closed).
+            # driver and its connection (a cycle; see wait_closed).
             self.close_with(exc.with_traceback(None))
 
     def _deliver(self, frames: list[Any]) -> None:

@@ -8,23 +8,27 @@ the buffer its allocator handed out. The layout is in docs/protocol.md.
 
 from __future__ import annotations
 
-import functools
-import struct
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import LimitExceededError, ProtocolError, TensorwireError, TransportError
-from ._base import (
-    ALIGNMENT,
-    FrameInfo,
-    check_frame_count,
-    check_limits,
-    default_allocator,
-    host_empty,
-    refused_head,
-    writable_view,
+from ._frame_table import (
+    DEVICE_CODES,
+    KIND_DATA,
+    KIND_GOODBYE,
+    ONE_DATA_PRELUDE,
+    ONE_FRAME_SIZE,
+    ONE_FRAME_WORDS,
+    PRELUDE,
+    PRELUDE_SIZE,
+    decode_table,
+    device_name,
+    encode_table,
+    table_size,
 )
+from ._frames import ALIGNMENT, FrameInfo, default_allocator, host_empty, writable_view
+from ._limit_checks import check_frame_count, check_limits, refused_head
 from .config import Limits
 
 __all__ = (
@@ -43,26 +47,7 @@ MAGIC = b"TWIR"
 #: three reserved zero bytes.
 HANDSHAKE = MAGIC + bytes([PROTOCOL_VERSION, 0, 0, 0])
 
-KIND_DATA = 0
-KIND_GOODBYE = 1
-#: kind, two reserved fields that must be zero, frame count.
-_PRELUDE = struct.Struct("<BBHI")
-PRELUDE_SIZE = _PRELUDE.size
-GOODBYE = _PRELUDE.pack(KIND_GOODBYE, 0, 0, 0)
-#: A one-frame host message's prelude and frame table in one: kind, the
-#: reserved fields, frame count, frame size, device code with its padding.
-ONE_FRAME = struct.Struct("<BBHIQQ")
-ONE_FRAME_SIZE = ONE_FRAME.size
-#: The same as three words: a one-frame data message's prelude is the first
-#: word's one value, so a single comparison checks all four fields, and
-#: packing takes three values (``pack_one_frame``; the stream driver packs a
-#: batch with it directly).
-ONE_FRAME_WORDS = struct.Struct("<QQQ")
-ONE_DATA_PRELUDE = KIND_DATA | 1 << 32
-assert ONE_FRAME_WORDS.size == ONE_FRAME_SIZE
-
-DEVICE_CODES = {"cpu": 0, "cuda": 1}
-_DEVICE_NAMES: tuple[Any, ...] = ("cpu", "cuda")
+GOODBYE = PRELUDE.pack(KIND_GOODBYE, 0, 0, 0)
 
 #: Read-ahead buffer for preludes, tables and small frames: one recv() often
 #: brings several small messages. Frames (or their rest) of at least
@@ -104,24 +89,12 @@ def check_handshake(data: bytes | bytearray | memoryview) -> None:
         )
 
 
-def _table_size(nframes: int) -> int:
-    return 8 * nframes + (nframes + 7) // 8 * 8
-
-
-@functools.lru_cache(maxsize=256)
-def _sizes_struct(nframes: int) -> struct.Struct:
-    return struct.Struct(f"<{nframes}Q")
-
-
 def pack_header(sizes: Sequence[int], devices: Sequence[str] | None = None) -> bytes:
     """The prelude and frame table that precede a message's frames
     (``devices`` None: all in host memory)."""
-    n = len(sizes)
     if devices is None or all(d == "cpu" for d in devices):
-        codes = bytes(n + (-n % 8))
-    else:
-        codes = bytes(DEVICE_CODES[d] for d in devices) + bytes(-n % 8)
-    return _PRELUDE.pack(KIND_DATA, 0, 0, n) + _sizes_struct(n).pack(*sizes) + codes
+        return encode_table(sizes)
+    return encode_table(sizes, bytes(DEVICE_CODES[d] for d in devices))
 
 
 def pack_one_frame(nbytes: int) -> bytes:
@@ -410,14 +383,11 @@ class FrameReader:
 
     def _parse_table(self, table: memoryview, nframes: int) -> None:
         n = nframes
-        sizes = _sizes_struct(n).unpack_from(table)
-        codes = bytes(table[8 * n : _table_size(n)])
-        if codes.count(0) != len(codes):
-            if any(codes[n:]):
-                raise ProtocolError("nonzero padding in frame table")
-            for index, code in enumerate(codes[:n]):
-                if code >= len(_DEVICE_NAMES):
-                    raise ProtocolError(f"unknown device code {code} for frame {index}")
+        sizes, codes = decode_table(table, n)
+        all_host = codes.count(0) == n
+        if not all_host:
+            for index, code in enumerate(codes):
+                device_name(code, index)
         try:
             check_limits(sizes, self.limits)
         except LimitExceededError as exc:
@@ -425,7 +395,6 @@ class FrameReader:
                 raise
             self._skip(exc, sizes)
             return
-        all_host = codes[:n].count(0) == n
         # Known here already: whether the default allocation is one slab.
         self._announced_bytes = total = sum(sizes)
         self._slab = all_host and total <= SLAB_MAX
@@ -433,8 +402,8 @@ class FrameReader:
             self._infos = [FrameInfo(i, size) for i, size in enumerate(sizes)]
         else:
             self._infos = [
-                FrameInfo(i, size, _DEVICE_NAMES[code])
-                for i, (size, code) in enumerate(zip(sizes, codes, strict=False))
+                FrameInfo(i, size, device_name(code, i))
+                for i, (size, code) in enumerate(zip(sizes, codes, strict=True))
             ]
         self._state = _State.ALLOCATE
 
@@ -525,7 +494,7 @@ class FrameReader:
                     return
                 if self.auto_allocate and self._take_small():
                     continue
-                kind, reserved1, reserved2, nframes = _PRELUDE.unpack_from(staging, self._start)
+                kind, reserved1, reserved2, nframes = PRELUDE.unpack_from(staging, self._start)
                 if reserved1 or reserved2:
                     raise ProtocolError("nonzero reserved bytes in message prelude")
                 self._start += PRELUDE_SIZE
@@ -540,7 +509,7 @@ class FrameReader:
                     continue
                 check_frame_count(nframes, self.limits)
                 self._announced = nframes
-                size = _table_size(nframes)
+                size = table_size(nframes)
                 if avail - PRELUDE_SIZE >= size:
                     # The common case: the whole table is already here.
                     table = staging[self._start : self._start + size]

@@ -1,4 +1,4 @@
-"""The RPC channel's write path: batching, and messages queued behind a stuck write."""
+"""The RPC connection driver's write path: batching, and messages queued behind a stuck write."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from tensorwire.errors import ConnectionClosedError, TensorwireError, Unavailable
 from tensorwire.rpc import protocol
-from tensorwire.rpc._channel import BATCH, Channel
+from tensorwire.rpc._connection_driver import BATCH, ConnectionDriver
 from tensorwire.transports import Connection, TransportConfig, connect, listen
 
 SMALL_BUFFERS = TransportConfig(socket_sndbuf=1 << 16, socket_rcvbuf=1 << 16)
@@ -23,8 +23,9 @@ async def _stuck_pair(peer: Any) -> tuple[Any, Connection]:
     return listener, conn
 
 
-def _channel(conn: Connection, closed: list[TensorwireError]) -> Channel:
-    channel = Channel(conn, lambda message, nbytes: None, closed.append, heartbeat_timeout=60)
+def _channel(conn: Connection, closed: list[TensorwireError]) -> ConnectionDriver:
+    channel = ConnectionDriver(conn, lambda message, nbytes: None, closed.append,
+                               heartbeat_timeout=60)
     channel.start()
     return channel
 

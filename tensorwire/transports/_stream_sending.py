@@ -1,0 +1,206 @@
+"""Sending on a byte stream: a message's frames as the buffers of one
+scatter-gather write (``outgoing``), the send lock, writing at once where
+the socket takes it, and finishing a message whose sender was cancelled
+part-way (the peer's framing must hold).
+
+A part of :class:`~._stream_connection.StreamConnection`, in a module of its own: the
+connection's state it works on is declared below for the type checker; the
+driver (tcp://) supplies ``_write``, ``_write_now`` and ``_shutdown_write``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConnectionClosedError, TensorwireError
+from ._base import Connection
+from ._eager import start_eagerly
+from ._frame_table import ONE_DATA_PRELUDE, ONE_FRAME_WORDS
+from ._frames import device_nbytes, host_view, is_device_frame
+from ._stream_framing import pack_header, pack_one_frame
+
+__all__ = ("StreamSending", "outgoing")
+
+
+def outgoing(frames: Sequence[Any], owner: Connection | None = None) -> list[Any]:
+    """The buffers that put ``frames`` on a byte stream: header, then frames.
+
+    Host frames go as zero-copy views; a CUDA frame is first copied to host
+    memory, since a socket cannot read device memory, and counted in the
+    ``device_bytes_staged`` of ``owner`` (the connection that sends it).
+    """
+    if len(frames) == 1 and type(frames[0]) is bytes:
+        # A small RPC message (its header frame holds the value).
+        frame = frames[0]
+        return [pack_one_frame(len(frame)), frame]
+    sizes: list[int] = []
+    devices: list[str] | None = None
+    views: list[Any] = []
+    for index, frame in enumerate(frames):
+        # bytes and memoryviews (what serde and the RPC layer send) skip
+        # the device check, which costs a failed attribute lookup.
+        if type(frame) not in _HOST_TYPES and is_device_frame(frame):
+            from ._device import device_to_host
+
+            if devices is None:
+                devices = ["cpu"] * index
+            nbytes = device_nbytes(frame)
+            sizes.append(nbytes)
+            devices.append("cuda")
+            views.append(device_to_host(frame).data)
+            if owner is not None:
+                owner.device_bytes_staged += nbytes
+        else:
+            view = host_view(frame)
+            sizes.append(view.nbytes)
+            if devices is not None:
+                devices.append("cpu")
+            views.append(view)
+    return [pack_header(sizes, devices), *views]
+
+
+_HOST_TYPES = frozenset({bytes, bytearray, memoryview})
+
+
+def _outgoing_many(messages: Sequence[Sequence[Any]], owner: Connection) -> list[Any]:
+    buffers: list[Any] = []
+    append = buffers.append
+    pack = ONE_FRAME_WORDS.pack
+    for frames in messages:
+        if len(frames) == 1:
+            frame = frames[0]
+            if type(frame) is bytes:
+                # outgoing()'s first case (pack_one_frame), inlined: a batch
+                # of small RPC messages.
+                append(pack(ONE_DATA_PRELUDE, len(frame), 0))
+                append(frame)
+                continue
+        buffers.extend(outgoing(frames, owner))
+    return buffers
+
+
+class StreamSending(Connection):
+    """The sending half of :class:`StreamConnection`."""
+
+    if TYPE_CHECKING:
+        _loop: asyncio.AbstractEventLoop
+        _peer_address: str
+        _error: TensorwireError | None
+        _send_lock: asyncio.Lock
+        # The rest of a message whose sender was cancelled mid-write.
+        _tail: asyncio.Task[None] | None
+
+        def _closed_error(self) -> TensorwireError: ...
+        def _fail(self, error: TensorwireError) -> None: ...
+
+    async def send(self, frames: Sequence[Any]) -> None:
+        if self.closed:
+            raise self._closed_error()
+        buffers = outgoing(frames, self)
+        self._count_out(1, buffers)
+        await self._send_locked(buffers)
+
+    async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
+        # One scatter-gather write for the lot: under load (many RPC replies
+        # at once) that is one syscall instead of one per message.
+        if self.closed:
+            raise self._closed_error()
+        buffers = _outgoing_many(messages, self)
+        self._count_out(len(messages), buffers)
+        await self._send_locked(buffers)
+
+    def _count_out(self, messages: int, buffers: list[Any]) -> int:
+        """Count ``messages`` going out as ``buffers``; returns their bytes."""
+        self.messages_sent += messages
+        nbytes = sum(map(len, buffers))  # bytes, or memoryviews cast to "B"
+        self.bytes_sent += nbytes
+        return nbytes
+
+    def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
+        if self.closed:
+            raise self._closed_error()
+        buffers = _outgoing_many(messages, self)
+        nbytes = self._count_out(len(messages), buffers)
+        if not self._writes_now or self._send_lock.locked() or self._tail is not None:
+            # Started now, not from a task's first step: it takes its place
+            # in the send lock's queue before this returns, so a send()
+            # called afterwards cannot overtake it.
+            return start_eagerly(self._send_locked(buffers))
+        try:
+            self._write_now(buffers, nbytes)
+        except OSError as exc:
+            raise self._write_failed(exc) from exc
+        if not buffers:
+            return None
+        # The socket is full part-way: the rest follows from a task, and the
+        # next send waits for it, as after a cancelled send.
+        tail = self._tail = self._loop.create_task(self._finish(buffers, report=True))
+        return tail
+
+    async def _send_locked(self, buffers: list[Any]) -> None:
+        async with self._send_lock:
+            await self._after_tail()
+            if self.closed:
+                raise self._closed_error()
+            await self._send_buffers(buffers)
+
+    async def _send_buffers(self, buffers: list[Any]) -> None:
+        count, first = len(buffers), buffers[0] if buffers else None
+        try:
+            await self._write(buffers)
+        except asyncio.CancelledError:
+            # _write consumes ``buffers`` from the front. If part of the
+            # message is out, the rest must follow or the peer's framing is
+            # lost: finish it in the background, and the connection lives.
+            started = len(buffers) != count or (buffers and buffers[0] is not first)
+            if started and buffers and self._error is None:
+                self._tail = self._loop.create_task(self._finish(buffers))
+            raise
+        except OSError as exc:
+            raise self._write_failed(exc) from exc
+
+    def _write_failed(self, exc: OSError) -> TensorwireError:
+        """Fail the connection after a write error; the error to raise."""
+        if not isinstance(exc, TensorwireError):
+            error = ConnectionClosedError(f"send to {self._peer_address} failed: {exc}")
+            error.__cause__ = exc
+            self._fail(error)
+        return self._closed_error()
+
+    async def _after_tail(self) -> None:
+        """Wait (under the send lock) for the rest of a cancelled send."""
+        tail = self._tail
+        if tail is not None:
+            await asyncio.wait([tail])
+
+    async def _finish(self, buffers: list[Any], *, report: bool = False) -> None:
+        """Write the rest of a message; ``report``: raise what failed (someone
+        awaits this task), else only fail the connection."""
+        try:
+            await self._write(buffers)
+        except OSError as exc:
+            error = self._write_failed(exc)
+            if report:
+                raise error from exc
+        finally:
+            self._tail = None
+
+    #: Whether the driver can write without waiting (``_write_now``).
+    _writes_now = False
+
+    def _write_now(self, buffers: list[Any], nbytes: int) -> None:
+        """Write what the socket takes now of ``buffers`` (``nbytes`` in
+        all), removing it from their front; raises OSError when the write
+        fails."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    async def _write(self, buffers: list[Any]) -> None:
+        """Write all of ``buffers`` in order, removing from the front of the
+        list what has gone out (so that a cancelled write can be finished)."""
+
+    @abc.abstractmethod
+    def _shutdown_write(self) -> None: ...
