@@ -510,7 +510,10 @@ def environment() -> list[str]:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
                               "--format=csv,noheader"], capture_output=True, text=True,
                              check=False).stdout.strip()
-    lines = [f"- device: {name} ({props['totalGlobalMem'] / 2**30:.0f} GiB), "
+    tree = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False).stdout.strip()
+    lines = [f"- tensorwire tree: {tree or 'not a git checkout'}",
+             f"- device: {name} ({props['totalGlobalMem'] / 2**30:.0f} GiB), "
              f"driver {smi or driver}, CUDA driver API {driver}, runtime {runtime}",
              f"- Python {platform.python_version()}, CuPy {cupy.__version__}"]
     for dist in ("ucxx-cu13", "libucx-cu13", "torch"):
