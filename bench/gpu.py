@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -66,6 +67,29 @@ def repetitions(size: int, quick: bool) -> int:
 
 def report(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
+
+
+async def time_echoes(echo: Any, sizes: list[int], quick: bool, before: Any = None) -> None:
+    """Report the median round trip of ``await echo(data)`` for a CuPy array of
+    each size (two untimed first), and whether what came back is equal.
+    ``before(size, count)`` is awaited first (a peer that must be told)."""
+    import cupy
+
+    for size in sizes:
+        data = cupy.ones(size, cupy.uint8)
+        count = repetitions(size, quick) + 2
+        if before is not None:
+            await before(size, count)
+        samples = []
+        back = None
+        for i in range(count):
+            start = time.perf_counter()
+            back = await echo(data)
+            if i >= 2:
+                samples.append(time.perf_counter() - start)
+        ok = back is not None and bool((cupy.asarray(back) == data).all())
+        report(size=size, seconds=statistics.median(samples), ok=ok)
+        del data, back
 
 
 def peer_env(proto_info: bool = False) -> dict[str, str]:
@@ -205,22 +229,21 @@ def raw_client(port: str, sizes: list[int], quick: bool) -> None:
         ucxx.init(progress_mode="blocking")
         reader, writer = await asyncio.open_connection("127.0.0.1", int(port))
         ep = await _ucxx_endpoint(ucxx, reader, writer)
-        for size in sizes:
-            data = cupy.ones(size, cupy.uint8)
-            back = cupy.empty(size, cupy.uint8)
-            count = repetitions(size, quick) + 2
+        backs: dict[int, Any] = {}  # one receive buffer per size, as a raw user keeps
+
+        async def announce(size: int, count: int) -> None:
+            backs.clear()
+            backs[size] = cupy.empty(size, cupy.uint8)
             writer.write(_HEAD.pack(size, count))
             await writer.drain()
-            samples = []
-            for i in range(count):
-                start = time.perf_counter()
-                await ep.send(data, tag=_TAG_DATA, force_tag=True)
-                await ep.recv(back, tag=_TAG_BACK, force_tag=True)
-                if i >= 2:
-                    samples.append(time.perf_counter() - start)
-            ok = bool((back == data).all())
-            report(size=size, seconds=statistics.median(samples), ok=ok)
-            del data, back
+
+        async def echo(data: Any) -> Any:
+            back = backs[data.size]
+            await ep.send(data, tag=_TAG_DATA, force_tag=True)
+            await ep.recv(back, tag=_TAG_BACK, force_tag=True)
+            return back
+
+        await time_echoes(echo, sizes, quick, announce)
         writer.write(_HEAD.pack(0, 0))
         await writer.drain()
         writer.close()
@@ -296,25 +319,17 @@ def conn_client(address: str, sizes: list[int], quick: bool) -> None:
     async def main() -> None:
         cupy.cuda.Device(0).use()
         conn = await connect(address, config=transport_config())
-        for size in sizes:
-            data = cupy.ones(size, cupy.uint8)
-            samples = []
-            back = None
-            for i in range(repetitions(size, quick) + 2):
-                start = time.perf_counter()
-                await conn.send([b"echo", data])
-                (back,) = await conn.recv()
-                if i >= 2:
-                    samples.append(time.perf_counter() - start)
-            ok = back is not None and bool((cupy.asarray(back) == data).all())
-            report(size=size, seconds=statistics.median(samples), ok=ok)
-            del data, back
+
+        async def echo(data: Any) -> Any:
+            await conn.send([b"echo", data])
+            (back,) = await conn.recv()
+            return back
+
+        await time_echoes(echo, sizes, quick)
         await conn.send([b"end"])
         await conn.close()
 
     run("conn-client", main)
-
-
 
 
 def tw_server() -> None:
@@ -352,18 +367,7 @@ def tw_client(address: str, sizes: list[int], quick: bool) -> None:
     async def main() -> None:
         cupy.cuda.Device(0).use()
         async with connect(address, timeout=300, transport=transport_config()) as client:
-            for size in sizes:
-                data = cupy.ones(size, cupy.uint8)
-                samples = []
-                back = None
-                for i in range(repetitions(size, quick) + 2):
-                    start = time.perf_counter()
-                    back = await client.call("Echo.echo", data)
-                    if i >= 2:
-                        samples.append(time.perf_counter() - start)
-                ok = back is not None and bool((back == data).all())
-                report(size=size, seconds=statistics.median(samples), ok=ok)
-                del data, back
+            await time_echoes(functools.partial(client.call, "Echo.echo"), sizes, quick)
             stats = client.transport_stats()[address]
             report(staged=stats["device_bytes_staged"])
             await client.call("Echo.stop")

@@ -14,7 +14,9 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,26 @@ async def first_json(child: asyncio.subprocess.Process, timeout: float = 60) -> 
                 found["_before"] = "".join(seen)
                 return found
             seen.append(line)
+
+
+async def serve_and_run(server: Sequence[str], client: Callable[[str], Sequence[str]]
+                        ) -> tuple[str, str]:
+    """Start the peer ``server``, then ``client(its address)``; once the client
+    is done, stop the server (SIGTERM) and return the output of each."""
+    child = await start(*server)
+    try:
+        ready = await first_json(child)
+        peer = await start(*client(ready["address"]))
+        client_out, _ = await asyncio.wait_for(peer.communicate(), 100)
+        assert peer.returncode == 0, client_out.decode(errors="replace")[-4000:]
+        child.send_signal(signal.SIGTERM)
+        server_out, _ = await asyncio.wait_for(child.communicate(), 30)
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    return (ready["_before"] + server_out.decode(errors="replace"),
+            client_out.decode(errors="replace"))
 
 
 def reports(output: str) -> list[dict[str, Any]]:

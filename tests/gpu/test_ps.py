@@ -7,12 +7,9 @@ there; the worker's pulls are CuPy arrays equal to SGD computed on the host.
 
 from __future__ import annotations
 
-import asyncio
-import signal
-
 import pytest
 
-from ._procs import HAS_UCX, failed, first_json, gpu_or_skip, reports, start
+from ._procs import HAS_UCX, failed, gpu_or_skip, reports, serve_and_run
 
 
 @pytest.mark.gpu
@@ -23,19 +20,8 @@ from ._procs import HAS_UCX, failed, first_json, gpu_or_skip, reports, start
 ])
 async def test_shard_keeps_cupy_parameters_on_the_device(listen: str) -> None:
     gpu_or_skip()
-    shard = await start("shard", listen)
-    try:
-        ready = await first_json(shard)
-        worker = await start("ps-worker", ready["address"])
-        worker_out, _ = await asyncio.wait_for(worker.communicate(), 100)
-        assert worker.returncode == 0, worker_out.decode(errors="replace")[-4000:]
-        shard.send_signal(signal.SIGTERM)
-        shard_out, _ = await asyncio.wait_for(shard.communicate(), 30)
-    finally:
-        if shard.returncode is None:
-            shard.kill()
-            await shard.wait()
-    found = [r for out in (worker_out, shard_out) for r in reports(out.decode(errors="replace"))
-             if "check" in r]
+    shard_out, worker_out = await serve_and_run(["shard", listen],
+                                                lambda address: ["ps-worker", address])
+    found = [r for out in (worker_out, shard_out) for r in reports(out) if "check" in r]
     assert len(found) == 1 + 3 + 2, found
     assert not failed(found), failed(found)

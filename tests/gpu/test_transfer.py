@@ -13,20 +13,16 @@ reads it.
 
 from __future__ import annotations
 
-import asyncio
-import signal
-
 import pytest
 
 from ._procs import (
     HAS_UCX,
     cuda_transports,
     failed,
-    first_json,
     gpu_or_skip,
     keep_evidence,
     reports,
-    start,
+    serve_and_run,
 )
 
 UCX = pytest.mark.skipif(not HAS_UCX, reason="ucxx is not installed")
@@ -34,20 +30,8 @@ UCX = pytest.mark.skipif(not HAS_UCX, reason="ucxx is not installed")
 
 async def run_pair(listen: str, kinds: str, *flags: str) -> tuple[str, str]:
     """Sink and source; returns the output of each."""
-    sink = await start("sink", listen, *flags)
-    try:
-        ready = await first_json(sink)
-        source = await start("source", ready["address"], kinds, *flags)
-        source_out, _ = await asyncio.wait_for(source.communicate(), 100)
-        assert source.returncode == 0, source_out.decode(errors="replace")[-4000:]
-        sink.send_signal(signal.SIGTERM)
-        sink_out, _ = await asyncio.wait_for(sink.communicate(), 30)
-    finally:
-        if sink.returncode is None:
-            sink.kill()
-            await sink.wait()
-    return ready["_before"] + sink_out.decode(errors="replace"), source_out.decode(
-        errors="replace")
+    return await serve_and_run(["sink", listen, *flags],
+                               lambda address: ["source", address, kinds, *flags])
 
 
 def check_reports(output: str, at_least: int) -> None:
