@@ -51,8 +51,8 @@ def device_empty(nbytes: int) -> Any:
     return lib.empty(nbytes, dtype=lib.uint8, device="cuda")
 
 
-def _as_device_bytes(frame: Any) -> Any:
-    name, lib = _library()
+def _as_device_bytes(frame: Any, name: str, lib: Any) -> Any:
+    """``frame`` as a flat uint8 array of ``lib`` (no copy)."""
     if name == "cupy":
         array = lib.asarray(frame)
         if not array.flags.c_contiguous:
@@ -83,20 +83,20 @@ def sync_current_streams() -> None:
 def device_to_host(frame: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """Copy a CUDA frame to host memory, once the work queued on it is done."""
     sync_current_streams()
-    data = _as_device_bytes(frame)
+    name, lib = _library()
+    data = _as_device_bytes(frame, name, lib)
     host: np.ndarray[Any, np.dtype[np.uint8]] = (
-        data.get() if hasattr(data, "get") else data.cpu().numpy())
+        data.get() if name == "cupy" else data.cpu().numpy())
     return host
 
 
 def copy_host_to_device(dst: Any, host: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
     """Copy a received host bounce buffer into its CUDA frame, and wait for
     the copy: the receiver may read the frame on any stream."""
-    data = _as_device_bytes(dst)
-    if hasattr(data, "set"):
+    name, lib = _library()
+    data = _as_device_bytes(dst, name, lib)
+    if name == "cupy":
         data.set(host)
-        sys.modules["cupy"].cuda.get_current_stream().synchronize()
+        lib.cuda.get_current_stream().synchronize()
     else:
-        import torch
-
-        data.copy_(torch.from_numpy(host))  # synchronous: not non_blocking
+        data.copy_(lib.from_numpy(host))  # synchronous: not non_blocking
