@@ -1,6 +1,10 @@
 """An RPC server for the hostile-peer and load tests, in a process of its own.
 
-    python -m tests.reliability._server [--gc-off]   # prints its address; serves until stdin closes
+    python -m tests.reliability._server [--gc-off] [--listen URL]
+        # prints its address; serves until stdin closes
+
+``--listen`` picks the address (``tcp://127.0.0.1:0`` unless given;
+``ucx://127.0.0.1:0`` for ucx://).
 
 Small limits and short timeouts, so that what a hostile peer can hold is
 small and short-lived. ``--gc-off`` disables the cycle collector, so that
@@ -32,8 +36,10 @@ CONFIG = rpc.ServerConfig(
 async def main() -> None:
     if "--gc-off" in sys.argv:
         gc.disable()
+    args = sys.argv[1:]
+    url = args[args.index("--listen") + 1] if "--listen" in args else "tcp://127.0.0.1:0"
     server = rpc.Server([Store()], config=CONFIG)
-    (address,) = await server.start("tcp://127.0.0.1:0")
+    (address,) = await server.start(url)
     print(address, flush=True)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, sys.stdin.read)

@@ -17,7 +17,7 @@ class Server:
     def __init__(self, child: subprocess.Popen[str], address: str) -> None:
         self.child = child
         self.address = address
-        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        host, port = address.split("://", 1)[1].rsplit(":", 1)
         self.host_port = (host, int(port))
 
     def rss(self) -> int:

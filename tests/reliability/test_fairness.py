@@ -1,6 +1,7 @@
 """One greedy client must not take the server away from the others.
 
-A process pipelines calls at full speed (``_greedy.py``) while a
+Over tcp:// and over ucx:// alike: a process pipelines calls at full speed
+(``_greedy.py``) while a
 well-behaved client calls every 50 ms with a 1 s deadline and a 1 s
 heartbeat timeout, and new clients connect: every call succeeds, the good
 client's p99 latency stays within 10x of what it was without the greedy one,
@@ -10,8 +11,10 @@ heartbeats are answered and new connections accepted throughout.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,7 +22,7 @@ import tensorwire as tw
 from tensorwire.errors import TensorwireError
 from tensorwire.rpc import ClientConfig
 
-from .conftest import ROOT, Server
+from .conftest import ROOT, Server, spawn_server
 
 GOOD = ClientConfig(timeout=1.0, heartbeat_interval=0.25, heartbeat_timeout=1.0,
                     reconnect_attempts=1)
@@ -28,6 +31,17 @@ GOOD = ClientConfig(timeout=1.0, heartbeat_interval=0.25, heartbeat_timeout=1.0,
 #: p99 below it is not starvation, whatever the unloaded p99 was. (Measured:
 #: 3.6 to 57 ms beside the greedy client; starved, calls took seconds.)
 NOISE_FLOOR = 0.25
+
+
+@pytest.fixture(scope="module", params=[
+    "tcp",
+    pytest.param("ucx", marks=pytest.mark.skipif(
+        importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")),
+])
+def any_server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The reliability server listening on tcp:// or on ucx://."""
+    with spawn_server("--listen", f"{request.param}://127.0.0.1:0") as running:
+        yield running
 
 
 async def _latencies(client: tw.Client, seconds: float, failures: list[str]) -> list[float]:
@@ -67,14 +81,14 @@ async def _accepts(address: str, seconds: float, failures: list[str]) -> list[fl
 
 
 @pytest.mark.slow
-async def test_a_greedy_client_does_not_starve_the_others(server: Server) -> None:
+async def test_a_greedy_client_does_not_starve_the_others(any_server: Server) -> None:
+    server = any_server
     failures: list[str] = []
     async with tw.connect(server.address, config=GOOD) as client:
         await client.call("Store.echo", 0)
         unloaded = await _latencies(client, 1.5, failures)
-        host, port = server.host_port
         greedy = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.reliability._greedy", host, str(port), "3",
+            sys.executable, "-m", "tests.reliability._greedy", server.address, "3",
             cwd=ROOT, stdout=asyncio.subprocess.PIPE)
         try:
             await asyncio.sleep(0.3)  # under way
@@ -86,7 +100,9 @@ async def test_a_greedy_client_does_not_starve_the_others(server: Server) -> Non
                 greedy.kill()
                 await greedy.wait()
     replies = int(out)
-    print(f"fairness: greedy client got {replies / 2**20:.1f} MiB of replies; good client p99 "
+    scheme = server.address.split(":")[0]
+    print(f"fairness over {scheme}: greedy client got {replies / 2**20:.1f} MiB of replies; "
+          f"good client p99 "
           f"{_p99(unloaded) * 1e3:.2f} ms alone, {_p99(loaded) * 1e3:.2f} ms beside it "
           f"({len(loaded)} calls); new connections answered within "
           f"{max(accepts) * 1e3:.0f} ms")
