@@ -1,11 +1,14 @@
 """Caps on a listener's connections: open ones, and ones not yet past the
-handshake (slow-loris peers), refused beyond the cap with a clear log line;
-and what slow-loris connections held comes back once they are dropped."""
+handshake (slow-loris peers), refused beyond the cap with a clear log line,
+over tcp:// and over ucx:// (whose peers come in through its tcp:// control
+listener); and what slow-loris connections held comes back once they are
+dropped."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import socket
 import time
@@ -48,12 +51,17 @@ async def _refused_at_once(sock: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.parametrize("scheme", [
+    "tcp",
+    pytest.param("ucx", marks=pytest.mark.skipif(
+        importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")),
+])
 async def test_connections_beyond_the_caps_are_refused_with_a_log_line(
-        caplog: pytest.LogCaptureFixture) -> None:
+        scheme: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
     async with tw.Server([Store()], config=CONFIG) as server:
-        (address,) = await server.start("tcp://127.0.0.1:0")
-        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        (address,) = await server.start(f"{scheme}://127.0.0.1:0")
+        host, port = address.split("://", 1)[1].rsplit(":", 1)
         # 20 peers that never send their handshake: 8 wait for it, 12 go at once.
         idle = await _idle_sockets(host, int(port), 20)
         try:
@@ -78,6 +86,51 @@ async def test_connections_beyond_the_caps_are_refused_with_a_log_line(
                 assert await late.call("Store.echo", 2) == 2
         finally:
             await asyncio.gather(*(c.close() for c in clients))
+
+
+async def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True when the server closes ``sock`` within ``seconds`` (whatever it
+    sent before)."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(seconds):
+            while await loop.sock_recv(sock, 1 << 16):
+                pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+async def test_ucx_peers_stalled_in_the_ucx_hello_count_against_max_connections(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    # Past the control channel's transport handshake a ucx:// peer owes its
+    # ucx:// hello (worker address, connection id): until then it is no
+    # longer pending for the tcp:// listener, but still open.
+    config = ServerConfig(transport=TransportConfig(
+        handshake_timeout=1.0, max_pending_connections=8, max_connections=4))
+    async with tw.Server([Store()], config=config) as server:
+        (address,) = await server.start("ucx://127.0.0.1:0")
+        host, port = address.removeprefix("ucx://").rsplit(":", 1)
+        stalled = await _idle_sockets(host, int(port), 6)
+        try:
+            for sock in stalled:
+                await asyncio.get_running_loop().sock_sendall(sock, HANDSHAKE)
+            closed = await asyncio.gather(*(_closed_within(s, 0.5) for s in stalled))
+            assert closed.count(False) == 4, closed  # held until the ucx:// hello's timeout
+            with pytest.raises(TensorwireError):
+                await tw.connect(address, reconnect_attempts=1, connect_timeout=2)
+            assert any("max_connections=4" in r.getMessage() for r in caplog.records)
+            assert all(await asyncio.gather(*(_closed_within(s, 2.0) for s in stalled)))
+        finally:
+            for sock in stalled:
+                sock.close()
+        await asyncio.sleep(0.1)
+        async with tw.connect(address, reconnect_attempts=1) as client:
+            assert await client.call("Store.echo", 3) == 3
 
 
 def test_slow_loris_connections_leave_no_memory_behind(gc_off_server: Server) -> None:
