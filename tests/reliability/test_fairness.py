@@ -2,9 +2,10 @@
 
 Over tcp:// and over ucx:// alike: a process pipelines calls at full speed
 (``_greedy.py``) while a well-behaved client calls every 50 ms with a 1 s
-deadline and a 1 s heartbeat timeout, and new clients connect: every call succeeds, the good
-client's p99 latency stays within 10x of what it was without the greedy one,
-heartbeats are answered and new connections accepted throughout.
+deadline and a 1 s heartbeat timeout, and new clients connect: every call
+succeeds, the good client's p99 latency stays within 10x of what it was
+without the greedy one, heartbeats are answered and new connections
+accepted throughout.
 """
 
 from __future__ import annotations
