@@ -104,6 +104,9 @@ class ConnectionDriver:
         self._high_water = max_unsent
         self._low_water = max_unsent // 4
         self.reading_paused = False
+        # Set when reading resumes: senders that wait for the output to
+        # drain (drained()).
+        self._drained: asyncio.Future[None] | None = None
 
     @property
     def closed(self) -> bool:
@@ -184,8 +187,26 @@ class ConnectionDriver:
         if self.reading_paused and self._unsent <= self._low_water:
             self.reading_paused = False
             self._last_seen = self._loop.time()  # we were not listening
+            drained, self._drained = self._drained, None
+            if drained is not None and not drained.done():
+                drained.set_result(None)
             if self.error is None:
                 self.conn.resume_reading()
+
+    async def drained(self) -> None:
+        """Wait until the unsent output is under the low-water mark (at
+        once when it is not over the bound).
+
+        Raises:
+            Unavailable: the connection was lost meanwhile.
+        """
+        if self.error is not None:
+            raise _unavailable(self.error)
+        if not self.reading_paused:
+            return
+        if self._drained is None:
+            self._drained = self._loop.create_future()
+        await asyncio.shield(self._drained)
 
     def _post(self, message: Message) -> list[Any]:
         frames = protocol.encode(message)
@@ -262,6 +283,7 @@ class ConnectionDriver:
         self._outbox = []
         self._unsent -= self._outbox_bytes
         self._outbox_bytes = 0
+        _fail(self._drained, error)
         _fail(self._flushed, error)
         _fail(self._writing_flushed, error)
         self._flushed = self._writing_flushed = None
@@ -283,6 +305,7 @@ class ConnectionDriver:
         """Close the connection politely and wait for the driver's tasks."""
         if self.error is None:
             self.error = ConnectionClosedError("closed by this side")
+            _fail(self._drained, self.error)
             outbox, flushed = self._outbox, self._flushed
             self._outbox, self._flushed = [], None
             self._outbox_bytes = 0

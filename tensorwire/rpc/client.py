@@ -486,6 +486,9 @@ class Client:
                                 f"connection to {self.address} lost: {session.error}")
                     try:
                         loop = session.loop
+                        if driver.reading_paused:
+                            await _until_drained(driver, deadline, method)
+                            waited = True
                         if waited:
                             remaining = deadline - loop.time()
                         if remaining <= 0.0:
@@ -700,6 +703,24 @@ class Client:
             "tensorwire.Reflection.services", idempotent=True
         )
         return result
+
+
+async def _until_drained(driver: ConnectionDriver, deadline: float, method: str) -> None:
+    """Wait, within the call's deadline, until the server has taken enough
+    of what this client sent (``TransportConfig.max_unsent_bytes``): a
+    server that does not read then holds the client's calls back instead of
+    growing its outbox.
+
+    Raises:
+        DeadlineExceeded: the deadline passed first (the call was not sent).
+        Unavailable: the connection was lost meanwhile.
+    """
+    try:
+        async with asyncio.timeout_at(deadline):
+            await driver.drained()
+    except TimeoutError:
+        raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent "
+                               f"(the server is not taking what was sent)") from None
 
 
 def _driver(session: _ClientSession) -> ConnectionDriver:

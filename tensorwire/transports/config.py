@@ -118,7 +118,8 @@ class TransportConfig:
             waits.
         max_unsent_bytes: the most output a connection's consumer (an RPC
             client or server) queues for a peer that does not read it; over
-            it, the consumer stops reading that peer's messages until its
+            it, the consumer stops reading that peer's messages (and an RPC
+            client's new calls wait, within their deadline) until its
             unsent output is down to a quarter of it. A message larger
             than this still goes out: the bound is then that message.
         max_connections: the most connections a listener keeps open at

@@ -4,15 +4,25 @@ Against the server process of ``_server.py`` (its unsent output is bounded
 at 16 MiB a connection): the server stops reading that client while its
 replies are backed up, so its memory stays within the bound; other clients
 are served as usual, and the memory comes back once the client is gone.
+And the other way round: a fake server that never reads holds the client's
+calls back.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
 import time
+from typing import Any
 
+import numpy as np
+
+import tensorwire as tw
 from tensorwire import serde
-from tensorwire.rpc import protocol
+from tensorwire.errors import DeadlineExceeded
+from tensorwire.rpc import ClientConfig, protocol
+from tensorwire.transports import TransportConfig
 
 from ._server import CONFIG
 from .conftest import Server
@@ -63,3 +73,38 @@ def test_a_client_that_never_reads_holds_at_most_the_bound(server: Server) -> No
     # The bound, plus a reply being written and one read's worth of requests.
     assert grew < BOUND + (16 << 20), grew
     assert after - before < 16 << 20, after - before
+
+
+async def test_a_server_that_never_reads_holds_the_clients_calls_back() -> None:
+    """The fake server answers the handshake (allowing 10,000 calls in
+    flight) and then reads nothing. The client's unsent output stops at its
+    bound: calls beyond it wait, and fail at their deadline unsent."""
+    stop = asyncio.Event()
+
+    async def never_reads(conn: Any) -> None:
+        await conn.recv()  # HELLO
+        await conn.send(protocol.encode(protocol.Welcome(0, protocol.RPC_VERSION,
+                                                         os.urandom(16), False, 10_000)))
+        conn.pause_reading()
+        await stop.wait()
+        conn.abort()
+
+    config = ClientConfig(timeout=1.0, reconnect_attempts=1, heartbeat_interval=5,
+                          heartbeat_timeout=30,
+                          transport=TransportConfig(max_unsent_bytes=4 << 20))
+    blob = np.zeros(1 << 20, dtype=np.uint8)
+    async with await tw.transports.listen("tcp://127.0.0.1:0", never_reads) as listener:
+        client = tw.connect(listener.address, config=config)
+        await client.connect()
+        try:
+            outcomes = await asyncio.gather(*(client.call("Store.echo", blob) for _ in range(100)),
+                                            return_exceptions=True)
+        finally:
+            stop.set()
+            await client.close()
+    assert all(isinstance(o, DeadlineExceeded) for o in outcomes), outcomes
+    unsent = [o for o in outcomes if "before the call was sent" in str(o)]
+    # 100 MiB of calls; the bound is 4 MiB, the kernel's socket buffers take
+    # a few more: most calls were never sent.
+    print(f"server that never reads: {len(unsent)} of 100 calls of 1 MiB held back unsent")
+    assert len(unsent) >= 50, len(unsent)
