@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tensorwire.collective import serve_rendezvous
+from .. import _ranks as ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
@@ -32,30 +32,21 @@ LISTEN = {
 async def run_ranks(scenario: str, world: int, listen: str,
                     timeout: float = 100) -> tuple[list[dict[str, Any]], list[int], list[str]]:
     """Start ``world`` ranks of ``scenario``; their JSON reports and exit codes."""
-    server, master = await serve_rendezvous("tcp://127.0.0.1:0", world)
-    children = []
-    try:
-        for rank in range(world):
-            children.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tests.collective._worker", scenario, str(rank),
-                str(world), master, listen, cwd=ROOT,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            ))
-        outputs = await asyncio.wait_for(
-            asyncio.gather(*(child.communicate() for child in children)), timeout)
-    finally:
-        for child in children:
-            if child.returncode is None:
-                child.kill()
-                await child.wait()
-        await server.close(grace=0)
+
+    async def spawn(rank: int, master: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.collective._worker", scenario, str(rank),
+            str(world), master, listen, cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+
+    outputs, codes = await ranks.run_ranks(world, spawn, timeout)
     reports = []
     for stdout, _ in outputs:
         for line in stdout.decode().splitlines():
             if line.startswith("{"):
                 reports.append(json.loads(line))
-    codes = [child.returncode for child in children]
-    return reports, [c if c is not None else -1 for c in codes], [e.decode() for _, e in outputs]
+    return reports, codes, [e.decode() for _, e in outputs]
 
 
 @pytest.mark.slow

@@ -12,30 +12,20 @@ import asyncio
 
 import pytest
 
-from tensorwire.collective import serve_rendezvous
-
+from .. import _ranks as ranks
 from ._procs import HAS_UCX, cuda_transports, failed, gpu_or_skip, keep_evidence, reports, start
 
 UCX = pytest.mark.skipif(not HAS_UCX, reason="ucxx is not installed")
 
 
 async def run_ranks(kind: str, world: int, listen: str) -> list[str]:
-    server, master = await serve_rendezvous("tcp://127.0.0.1:0", world)
-    children = []
-    try:
-        for rank in range(world):
-            children.append(await start("rank", kind, str(rank), str(world), master, listen))
-        outputs = await asyncio.wait_for(
-            asyncio.gather(*(child.communicate() for child in children)), 110)
-    finally:
-        for child in children:
-            if child.returncode is None:
-                child.kill()
-                await child.wait()
-        await server.close(grace=0)
+    async def spawn(rank: int, master: str) -> asyncio.subprocess.Process:
+        return await start("rank", kind, str(rank), str(world), master, listen)
+
+    outputs, codes = await ranks.run_ranks(world, spawn, 110)
     texts = [out.decode(errors="replace") for out, _ in outputs]
-    for child, text in zip(children, texts, strict=True):
-        assert child.returncode == 0, text[-4000:]
+    for code, text in zip(codes, texts, strict=True):
+        assert code == 0, text[-4000:]
     return texts
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tensorwire.collective import serve_rendezvous
+from .. import _ranks as ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                 reason="torch is not installed")
@@ -33,25 +33,16 @@ async def run(scenario: str, world: int, tmp_path: Path, env: dict[str, str] | N
     Not through ``launch``, which stops every rank when one fails: the
     scenario with a dying rank needs the others to go on and report.
     """
-    server, master = await serve_rendezvous("tcp://127.0.0.1:0", world)
-    children = []
-    try:
-        for rank in range(world):
-            children.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tests.torch._worker", scenario, cwd=ROOT,
-                env={**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
-                     "TENSORWIRE_MASTER": master, "TENSORWIRE_MASTER_HOSTED": "1",
-                     "TENSORWIRE_LISTEN": listen,
-                     "TORCH_STORE": str(tmp_path / "store")},
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT))
-        outputs = await asyncio.wait_for(
-            asyncio.gather(*(child.communicate() for child in children)), 110)
-    finally:
-        for child in children:
-            if child.returncode is None:
-                child.kill()
-                await child.wait()
-        await server.close(grace=0)
+    async def spawn(rank: int, master: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.torch._worker", scenario, cwd=ROOT,
+            env={**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
+                 "TENSORWIRE_MASTER": master, "TENSORWIRE_MASTER_HOSTED": "1",
+                 "TENSORWIRE_LISTEN": listen,
+                 "TORCH_STORE": str(tmp_path / "store")},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+
+    outputs, codes = await ranks.run_ranks(world, spawn, 110)
     reports = []
     log = ""
     for rank, (stdout, _) in enumerate(outputs):
@@ -59,7 +50,6 @@ async def run(scenario: str, world: int, tmp_path: Path, env: dict[str, str] | N
             log += f"[rank {rank}] {line}\n"
             if line.startswith("{"):
                 reports.append(json.loads(line))
-    codes = [c.returncode if c.returncode is not None else -1 for c in children]
     return sorted(reports, key=lambda r: r["rank"]), log, codes
 
 
