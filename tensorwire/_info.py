@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import _compiled
+
 __all__ = ("format_text", "gather")
 
 #: Import name -> the distributions that may provide it (one per CUDA major).
@@ -239,6 +241,7 @@ def gather() -> dict[str, Any]:
         "os": _os(),
         "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
         "executable": sys.executable,
+        "compiled_core": _compiled.status(),
         "transports": transports,
         "ucx": ucx,
         "gpus": cuda.pop("gpus"),
@@ -253,7 +256,11 @@ def format_text(info: dict[str, Any]) -> str:
     for name, version in info["versions"].items():
         lines.append(f"  {name:<17} {version or 'not installed'}")
     lines += [f"os:         {info['os']}", f"platform:   {info['platform']}",
-              f"executable: {info['executable']}", "transports:"]
+              f"executable: {info['executable']}"]
+    core = info["compiled_core"]
+    lines.append("compiled core: " + ("loaded" if core["loaded"] else "NOT LOADED"))
+    lines += [f"  {name:<34} {where}" for name, where in core["modules"].items()]
+    lines.append("transports:")
     for scheme, state in info["transports"].items():
         mark = "yes" if state["usable"] else "no "
         lines.append(f"  {scheme + '://':<9} {mark}  {state['note']}")
