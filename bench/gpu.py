@@ -47,6 +47,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.gpu._procs reads UCX's protocol tables
+sys.path.insert(0, str(ROOT / "bench"))
+import _gpu_trace  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gpu.md"
 MiB = 1 << 20
@@ -83,8 +85,10 @@ async def time_echoes(echo: Any, sizes: list[int], quick: bool, before: Any = No
         samples = []
         back = None
         for i in range(count):
+            _gpu_trace.mark("start", size)
             start = time.perf_counter()
             back = await echo(data)
+            _gpu_trace.mark("end", size)
             if i >= 2:
                 samples.append(time.perf_counter() - start)
         ok = back is not None and bool((cupy.asarray(back) == data).all())
@@ -188,7 +192,42 @@ async def _ucxx_endpoint(ucxx: Any, reader: Any, writer: Any) -> Any:
     return await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
 
 
-def raw_server() -> None:
+#: How a raw ucxx pair shapes its messages (``--shapes``): "preallocated" posts
+#: the receive into a buffer kept per size before the data comes (the
+#: ceiling); "header first" sends a small host message with the size first
+#: and the receiver posts the data's receive only when that has arrived, as a
+#: ucx:// message does; "header first, fresh buffers" also allocates each
+#: receive buffer from CuPy's pool on arrival, as ucx:// does. The
+#: differences say what the ucx:// message shape costs on its own.
+RAW_SHAPES = ("preallocated", "header", "fresh")
+_TAG_HEAD_DATA, _TAG_HEAD_BACK = 4, 5
+
+
+async def _raw_recv(ep: Any, shape: str, tag: int, head_tag: int,
+                    kept: Any) -> Any:
+    """One message as ``shape`` receives it; ``kept``: the buffer of its size."""
+    import cupy
+    import numpy
+
+    if shape == "preallocated":
+        await ep.recv(kept, tag=tag, force_tag=True)
+        return kept
+    head = numpy.empty(1, numpy.uint64)
+    await ep.recv(head, tag=head_tag, force_tag=True)
+    buf = kept if shape == "header" else cupy.empty(int(head[0]), cupy.uint8)
+    await ep.recv(buf, tag=tag, force_tag=True)
+    return buf
+
+
+async def _raw_send(ep: Any, shape: str, data: Any, tag: int, head_tag: int) -> None:
+    import numpy
+
+    if shape != "preallocated":
+        await ep.send(numpy.array([data.nbytes], numpy.uint64), tag=head_tag, force_tag=True)
+    await ep.send(data, tag=tag, force_tag=True)
+
+
+def raw_server(shape: str = "preallocated") -> None:
     import cupy
     import ucxx
 
@@ -204,11 +243,11 @@ def raw_server() -> None:
                 size, count = _HEAD.unpack(head)
                 if size == 0:
                     break
-                buf = cupy.empty(size, cupy.uint8)
+                kept = cupy.empty(size, cupy.uint8)
                 for _ in range(count):
-                    await ep.recv(buf, tag=_TAG_DATA, force_tag=True)
-                    await ep.send(buf, tag=_TAG_BACK, force_tag=True)
-                del buf
+                    buf = await _raw_recv(ep, shape, _TAG_DATA, _TAG_HEAD_DATA, kept)
+                    await _raw_send(ep, shape, buf, _TAG_BACK, _TAG_HEAD_BACK)
+                del kept, buf
             writer.close()
             done.set()
 
@@ -220,7 +259,7 @@ def raw_server() -> None:
     asyncio.run(main())
 
 
-def raw_client(port: str, sizes: list[int], quick: bool) -> None:
+def raw_client(port: str, sizes: list[int], quick: bool, shape: str = "preallocated") -> None:
     import cupy
     import ucxx
 
@@ -238,10 +277,9 @@ def raw_client(port: str, sizes: list[int], quick: bool) -> None:
             await writer.drain()
 
         async def echo(data: Any) -> Any:
-            back = backs[data.size]
-            await ep.send(data, tag=_TAG_DATA, force_tag=True)
-            await ep.recv(back, tag=_TAG_BACK, force_tag=True)
-            return back
+            await _raw_send(ep, shape, data, _TAG_DATA, _TAG_HEAD_DATA)
+            return await _raw_recv(ep, shape, _TAG_BACK, _TAG_HEAD_BACK,
+                                   backs[data.size])
 
         await time_echoes(echo, sizes, quick, announce)
         writer.write(_HEAD.pack(0, 0))
@@ -534,15 +572,21 @@ def main() -> None:
     if "--role" in sys.argv:
         index = sys.argv.index("--role")
         role, *args = sys.argv[index + 1:]
-        roles = {"raw-server": raw_server, "tw-server": tw_server, "conn-server": conn_server}
-        if role in roles:
-            roles[role]()
+        if os.environ.get("GPU_BENCH_TRACE"):
+            os.environ["GPU_BENCH_ROLE"] = role.replace(":", "_")
+            _gpu_trace.start()
+        # A raw ucxx role may name its message shape: raw-server:header.
+        role, _, shape = role.partition(":")
+        shaped = {"shape": shape} if shape else {}
+        servers = {"raw-server": raw_server, "tw-server": tw_server, "conn-server": conn_server}
+        if role in servers:
+            servers[role](**shaped)
             return
         *head, sizes, quick = args
         clients = {"raw-client": raw_client, "tw-client": tw_client, "conn-client": conn_client,
                    "tw-rank": tw_rank,
                    "nccl-rank": nccl_rank}
-        clients[role](*head, [int(s) for s in sizes.split(",")], bool(int(quick)))
+        clients[role](*head, [int(s) for s in sizes.split(",")], bool(int(quick)), **shaped)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
@@ -551,6 +595,10 @@ def main() -> None:
                         help="UCXOptions.progress_mode of the tensorwire processes")
     parser.add_argument("--spin", type=float, help="UCXOptions.spin of the tensorwire processes")
     parser.add_argument("--no-allreduce", action="store_true", help="the echo table only")
+    parser.add_argument("--shapes", action="store_true",
+                        help="also time raw ucxx with the ucx:// message shape (RAW_SHAPES)")
+    parser.add_argument("--trace", type=Path,
+                        help="a folder for call traces of every peer (bench/_gpu_trace.py)")
     parser.add_argument("--profile", type=Path,
                         help="a folder for cProfile summaries of the tensorwire processes")
     options = parser.parse_args()
@@ -558,6 +606,9 @@ def main() -> None:
 
     quick = options.quick
     os.environ["GPU_BENCH_UCX"] = f"{options.progress},{options.spin or ''}"
+    if options.trace:
+        options.trace.mkdir(parents=True, exist_ok=True)
+        os.environ["GPU_BENCH_TRACE"] = str(options.trace.resolve())
     if options.profile:
         options.profile.mkdir(parents=True, exist_ok=True)
         os.environ["GPU_BENCH_PROFILE"] = str(options.profile.resolve())
@@ -568,6 +619,8 @@ def main() -> None:
     raw, _, _ = echo_pair("raw-server", "raw-client", sizes, quick)
     conn, _, _ = echo_pair("conn-server", "conn-client", sizes, quick)
     tw, tw_out, staged = echo_pair("tw-server", "tw-client", sizes, quick)
+    shaped = {shape: echo_pair(f"raw-server:{shape}", f"raw-client:{shape}", sizes, quick)[0]
+              for shape in RAW_SHAPES[1:]} if options.shapes else {}
     transports = sorted(cuda_transports(tw_out))
     if not options.no_allreduce:
         tw_reduce, tw_why = allreduce_variant("tensorwire", reduce_sizes, quick)
@@ -604,6 +657,14 @@ def main() -> None:
         f"Target: tensorwire RPC at least {TARGET_RATIO:.0%} of raw ucxx from "
         f"{TARGET_FROM // MiB} MiB: {'met' if met else 'missed'}.",
     ]
+    if shaped:
+        lines += ["", "## Raw ucxx in the ucx:// message shape (GB/s, as above)", "",
+                  "A header message with the size first, the data's receive posted when it "
+                  "has arrived; then also a receive buffer from CuPy's pool per message.", "",
+                  "| size | raw ucxx, preallocated | header first | header first, fresh "
+                  "buffers | ucx:// connection |", "| ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {size // MiB} MiB | {gbps(raw[size])} | {gbps(shaped['header'][size])} | "
+                  f"{gbps(shaped['fresh'][size])} | {gbps(conn[size])} |" for size in sizes]
     if not options.no_allreduce:
         lines += ["", "## Allreduce, 2 processes, float32 (busbw GB/s)", ""]
         if tw_why:
