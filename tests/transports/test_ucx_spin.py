@@ -162,6 +162,8 @@ async def test_a_pair_on_one_cpu_stops_spinning(tmp_path: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             child.kill()
         await child.wait()
-    # One failed window per call (the old behaviour, 2 ms a call under uvloop)
-    # would give ~200; the backoff gives about log2(64) plus one per 64 skips.
-    assert failed <= 16, f"{failed} of {calls} calls polled in vain for the CPU's other process"
+    # Polling after every completion (the old behaviour, 2 ms a call under
+    # uvloop) failed about 170 windows of 200 calls here (the kernel lets the
+    # woken peer preempt us now and then); the backoff gives about log2(64)
+    # plus one per 64 completions, 6 to 13 in runs here.
+    assert failed <= 40, f"{failed} of {calls} calls polled in vain for the CPU's other process"
