@@ -17,6 +17,19 @@ worker is armed the loop sleeps on its epoll descriptor until UCX has news,
 so an idle connection costs nothing. Completed requests are found after each
 progress and their callbacks run on the loop.
 
+After a completion the runtime keeps polling for a short window
+(``UCXOptions.spin``) before it sleeps, since in a ping-pong the answer
+usually comes within it and a poll costs far less than a wake-up.
+:class:`SpinGate` decides that, and two things about it matter (issue 22,
+"millisecond mode"): the window is timed with ``time.perf_counter``, not
+``loop.time()``, which on uvloop is libuv's cached millisecond clock, so a
+200 µs window polled until the next millisecond boundary; and a window
+that passes with no answer closes the next ones for a while, because then
+the peer did not run while we held the CPU (both processes on one CPU, the
+usual placement on a host whose cores are busy), and polling on only takes
+the CPU it needs. With both, two processes on one CPU took about 2 ms per
+tiny call: each side polled until the millisecond ticked over.
+
 The runtime is reference counted: listeners and connections hold it, and when
 the last one is gone the worker and context are destroyed, so a process (or
 a test suite, with one event loop per test) leaves no UCX state behind.
@@ -29,13 +42,14 @@ import logging
 import os
 import secrets
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, TransportError, UnsupportedTransportError
 from .config import UCXOptions
 
-__all__ = ("Runtime", "acquire", "active_runtime", "applied_environment")
+__all__ = ("Runtime", "SpinGate", "acquire", "active_runtime", "applied_environment")
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +59,10 @@ _PROGRESS_ROUNDS = 16
 #: While requests are in flight, progress at least this often (seconds) even
 #: without an event: a safety net for a transport that signals no event.
 _WATCHDOG_S = 0.5
+#: After a spin window passed with no answer, skip spinning after this many
+#: completions, doubling (up to _SPIN_SKIP_MAX) while windows keep failing.
+_SPIN_SKIP_FIRST = 2
+_SPIN_SKIP_MAX = 64
 
 #: The UCX environment applied in this process (None until the first use).
 _applied_env: dict[str, str] | None = None
@@ -179,7 +197,7 @@ class Runtime:
         self.cuda_support: bool = bool(self.context.cuda_support)
         self._pending: list[tuple[Any, Any, Callback]] = []
         self._scheduled = False
-        self._last_completion = 0.0
+        self.spin_gate = SpinGate(spin)
         self._watchdog: asyncio.TimerHandle | None = None
         self._ids: set[int] = set()
         assert self._fd is not None
@@ -272,7 +290,7 @@ class Runtime:
         if not done:
             return
         self._pending = [entry for entry in pending if not entry[0].completed]
-        self._last_completion = self.loop.time()
+        self.spin_gate.completed()
         for request, _, callback in done:
             try:
                 callback(request)
@@ -290,8 +308,7 @@ class Runtime:
                     # A completion callback released the last reference.
                     return
                 if self._pending and (
-                    self.progress_mode == "polling"
-                    or self.loop.time() - self._last_completion < self.spin
+                    self.progress_mode == "polling" or self.spin_gate.spinning()
                 ):
                     # Polling trades a core for latency while requests wait.
                     break
@@ -310,6 +327,56 @@ class Runtime:
     def _on_watchdog(self) -> None:
         self._watchdog = None
         self._run()
+
+
+class SpinGate:
+    """Whether to keep polling a worker with requests in flight, or sleep.
+
+    :meth:`completed` opens a window of ``window`` seconds (by ``clock``);
+    :meth:`spinning` says whether it is still open. A window that closes
+    with no completion in it is a failed spin: the answer did not come
+    while we polled, most likely because the peer shares our CPU and could
+    not run. Then the next windows stay shut: after a failure the gate
+    skips ``_SPIN_SKIP_FIRST`` completions before it tries again, twice as
+    many after each further failure (at most ``_SPIN_SKIP_MAX``), and a
+    window that gets its answer resets that. So a pair that shares a CPU
+    pays one failed window every ``_SPIN_SKIP_MAX`` calls, not one per call.
+    """
+
+    __slots__ = ("_open", "_opened", "_skip", "_skipping", "clock", "failed", "window")
+
+    def __init__(self, window: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.window = window
+        self.clock = clock
+        #: How many windows closed without an answer (for tests and benches).
+        self.failed = 0
+        self._opened = 0.0
+        self._open = False
+        self._skip = 0  # completions to let pass before the next window
+        self._skipping = 0  # the length of the current skip run
+
+    def completed(self) -> None:
+        """A request completed: the answer came; open a window from now."""
+        if self._open:
+            self._skipping = 0  # it came within the window: spinning pays
+        if self._skip:
+            self._skip -= 1
+            self._open = False
+            return
+        self._open = self.window > 0
+        self._opened = self.clock()
+
+    def spinning(self) -> bool:
+        """True while the window is open: poll again rather than sleep."""
+        if not self._open:
+            return False
+        if self.clock() - self._opened < self.window:
+            return True
+        self._open = False
+        self.failed += 1
+        self._skipping = min(max(2 * self._skipping, _SPIN_SKIP_FIRST), _SPIN_SKIP_MAX)
+        self._skip = self._skipping
+        return False
 
 
 def translate(runtime: Runtime | None, exc: BaseException, what: str) -> TransportError:

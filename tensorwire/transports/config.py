@@ -58,8 +58,10 @@ class UCXOptions:
     ``spin``: in the blocking progress mode, seconds to keep polling after a
     request completes before the worker sleeps on its wake-up descriptor (in
     a ping-pong the answer usually comes within it, and a poll costs far
-    less than a wake-up). Set it to 0 on a host with more busy processes
-    than cores: there the spinning takes the core the peer needs.
+    less than a wake-up). A window that passes with no answer shuts the
+    next ones for a while (the peer most likely shares our CPU, and the
+    spinning takes the CPU it needs), so the default suits busy hosts too;
+    0 never spins.
     ``environment`` passes any other ``UCX_*`` setting. They are applied to
     the process environment once, before ``ucxx`` is first imported, because
     UCX reads them only then; a later, different setting raises ConfigError.

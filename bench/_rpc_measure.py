@@ -1,0 +1,372 @@
+"""bench/rpc.py's measuring: the server and client processes, what a client
+measures, and one variant's run (with its placement and busy neighbours)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _rpc_bare import CALLERS, SERVERS
+from _rpc_variants import (
+    CONCURRENCY,
+    PAIRED,
+    MiB,
+    Plan,
+    Variant,
+    _Caller,
+    _grpc_server,
+    _GRPCCaller,
+    _pair_server,
+    _pin,
+    _Profile,
+    _raw_server,
+    _RawCaller,
+    _rpc_server,
+    _RPCCaller,
+    _run_loop,
+    placement,
+)
+
+
+def server_main(ready: Any, stop: Any, variant: Variant, profile: str | None,
+                cpu: int | None = None) -> None:
+    _pin(cpu)
+    serve = {"rpc": _rpc_server, "raw": _raw_server, "grpc": _grpc_server,
+             "grpc-peer": _grpc_server, "pair": _pair_server, **SERVERS}[variant.kind]
+    with _Profile(profile):
+        _run_loop(variant.kind, lambda: serve(ready, stop, variant))
+
+
+
+class _TurnTaker(_Caller):
+    """A caller in a process of its own (``turn_taker_main``), one turn per
+    request over a pipe, timed there: the pair's other client, where sharing
+    the RPC client's process would slow the RPC (grpc.aio's threads)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    async def open(self, address: str) -> _TurnTaker:
+        """Wait until the turn taker has connected (to ``address``, its own)."""
+        await self._answer()
+        return self
+
+    async def _answer(self) -> float:
+        # A thread waits for the answer, so the RPC client's loop keeps
+        # serving its connection (heartbeats) meanwhile.
+        status, value = await asyncio.get_running_loop().run_in_executor(None, self.conn.recv)
+        if status != "ok":
+            raise RuntimeError(value)
+        return float(value)
+
+    async def _ask(self, *command: Any) -> float:
+        self.conn.send(command)
+        return await self._answer()
+
+    async def time_tiny(self) -> float:
+        return await self._ask("tiny")
+
+    async def time_echo(self, arr: np.ndarray[Any, Any], *, check: bool = False) -> float:
+        return await self._ask("echo", arr.nbytes, check)
+
+    async def close(self) -> None:
+        self.conn.send(("stop",))
+
+
+def turn_taker_main(conn: Any, address: str, cpu: int | None) -> None:
+    """The pair's grpc.aio client (uvloop), taking the turns ``_TurnTaker`` asks for."""
+    _pin(cpu)
+
+    async def main() -> None:
+        try:
+            caller = await _GRPCCaller().open(address)
+        except Exception as exc:
+            conn.send(("error", f"connecting: {type(exc).__name__}: {exc}"))
+            return
+        conn.send(("ok", 0.0))
+        arrays: dict[int, np.ndarray[Any, Any]] = {}
+        try:
+            while True:
+                command = conn.recv()
+                try:
+                    if command[0] == "tiny":
+                        elapsed = await caller.time_tiny()
+                    elif command[0] == "echo":
+                        _, nbytes, check = command
+                        arr = arrays.get(nbytes)
+                        if arr is None:
+                            arrays.clear()  # one size at a time
+                            arr = arrays[nbytes] = np.arange(nbytes // 4, dtype=np.float32)
+                        elapsed = await caller.time_echo(arr, check=check)
+                    else:
+                        return
+                except Exception as exc:
+                    conn.send(("error", f"{type(exc).__name__}: {exc}"))
+                    continue
+                conn.send(("ok", elapsed))
+        finally:
+            await caller.close()
+
+    with contextlib.suppress(EOFError, OSError):
+        _run_loop("grpc-peer", main)
+
+
+
+async def _calls_per_second(tiny: Callable[[], Awaitable[Any]], tasks: int,
+                            seconds: float) -> float:
+    deadline = time.perf_counter() + seconds
+    done = [0] * tasks
+
+    async def worker(index: int) -> None:
+        clock = time.perf_counter
+        n = 0
+        while clock() < deadline:
+            await tiny()
+            n += 1
+        done[index] = n
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(tasks)))
+    return sum(done) / (time.perf_counter() - start)
+
+
+async def _measure(caller: _Caller, variant: Variant, plan: Plan,
+                   only: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"errors": []}
+
+    async def section(name: str, body: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await body()
+        except Exception as exc:  # one broken measurement does not hide the others
+            out["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+
+    for _ in range(plan.warmup_calls):
+        await caller.tiny()
+
+    async def latency() -> None:
+        samples = []
+        clock = time.perf_counter
+        for _ in range(plan.latency_calls):
+            start = clock()
+            await caller.tiny()
+            samples.append(clock() - start)
+        samples.sort()
+        out["p50"] = samples[len(samples) // 2]
+        out["p99"] = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+    async def cps1() -> None:
+        out["cps1"] = await _calls_per_second(caller.tiny, 1, plan.seconds)
+
+    async def cps64() -> None:
+        out["cps64"] = await _calls_per_second(caller.tiny, CONCURRENCY, plan.seconds)
+
+    if only == "cps64":
+        await section("64 in flight", cps64)
+        return out
+    if only == "tiny":
+        await section("latency", latency)
+        return out
+    await section("latency", latency)
+    await section("1 in flight", cps1)
+    if variant.multiplexed:
+        await section("64 in flight", cps64)
+
+    bandwidth: dict[int, float] = {}
+    if variant.tiny_only:
+        return out
+    for size, reps in zip(plan.sizes, plan.reps, strict=True):
+        async def echo(size: int = size, reps: int = reps) -> None:
+            arr = np.arange(size // 4, dtype=np.float32)
+            await caller.time_echo(arr, check=True)  # warm-up
+            times = [await caller.time_echo(arr) for _ in range(reps)]
+            bandwidth[size] = 2 * size / statistics.median(times)
+
+        await section(f"{size // MiB} MiB echo", echo)
+    out["bw"] = bandwidth
+    return out
+
+
+async def _measure_pair(callers: dict[str, _Caller], plan: Plan) -> dict[str, Any]:
+    """Tiny-call latency and echo bandwidth of the RPC and of its raw
+    transport, taking turns call by call (who goes first alternates too)."""
+    out: dict[str, Any] = {"errors": []}
+    names = list(callers)
+
+    def turns(i: int) -> list[str]:
+        return names if i % 2 == 0 else names[::-1]
+
+    for _ in range(plan.warmup_calls):
+        for name in names:
+            await callers[name].time_tiny()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(plan.latency_calls):
+        for name in turns(i):
+            samples[name].append(await callers[name].time_tiny())
+    for name in names:
+        ordered = sorted(samples[name])
+        out[name] = {"p50": ordered[len(ordered) // 2], "bw": {}}
+    for size, reps in zip(plan.sizes, plan.reps, strict=True):
+        arr = np.arange(size // 4, dtype=np.float32)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        try:
+            for name in names:
+                await callers[name].time_echo(arr, check=True)  # warm-up
+            for i in range(reps):
+                for name in turns(i):
+                    times[name].append(await callers[name].time_echo(arr))
+        except Exception as exc:  # one broken size does not hide the others
+            out["errors"].append(f"{size // MiB} MiB echo: {type(exc).__name__}: {exc}")
+            continue
+        for name in names:
+            out[name]["bw"][size] = 2 * size / statistics.median(times[name])
+    return out
+
+
+def client_main(done: Any, address: Any, variant: Variant, plan: Plan,
+                profile: str | None, only: str | None, cpu: int | None = None,
+                peer: Any = None) -> None:
+    """``peer``: the pipe to the turn taker of a pair with grpc.aio."""
+    _pin(cpu)
+
+    async def main() -> dict[str, Any]:
+        if variant.kind in PAIRED:
+            rpc_address, other_address = address
+            other = await (_RawCaller() if variant.kind == "pair"
+                           else _TurnTaker(peer)).open(other_address)
+            callers: dict[str, _Caller] = {"rpc": await _RPCCaller().open(rpc_address),
+                                           PAIRED[variant.kind]: other}
+            try:
+                return await _measure_pair(callers, plan)
+            finally:
+                for each in callers.values():
+                    await each.close()
+        cls = {"rpc": _RPCCaller, "raw": _RawCaller, "grpc": _GRPCCaller,
+               **CALLERS}[variant.kind]
+        caller = await cls().open(address)
+        try:
+            return await _measure(caller, variant, plan, only)
+        finally:
+            await caller.close()
+
+    try:
+        with _Profile(profile):
+            result = _run_loop(variant.kind, main)
+        done.put(("ok", result))
+    except BaseException as exc:
+        done.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+# --- instructions per call -------------------------------------------------------
+
+
+
+def run_variant(variant: Variant, plan: Plan, timeout: float, *,
+                profile_dir: Path | None = None, only: str | None = None,
+                where: str = "os", busy: bool = False) -> dict[str, Any] | str:
+    """The client's results, or why the variant did not run.
+
+    ``only``: "cps64" or "tiny" to measure just that; ``where``: the
+    placement (see ``placement``); ``busy``: with one busy-looping process
+    per allowed CPU beside the pair, for at most ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    stop, done = ctx.Queue(), ctx.Queue()
+    srv_prof = str(profile_dir / "server.prof") if profile_dir else None
+    cli_prof = str(profile_dir / "client.prof") if profile_dir else None
+    srv_cpu, cli_cpu = placement(where)
+    procs: list[Any] = []  # in start order; stopped in reverse
+    servers = 0
+
+    def start(target: Callable[..., None], *args: Any) -> Any:
+        proc = ctx.Process(target=target, args=args, daemon=True)
+        proc.start()
+        procs.append(proc)
+        return proc
+
+    def serve(served: Variant, prof: str | None) -> Any:
+        """Start a server process; its address, or None if it did not start."""
+        nonlocal servers
+        ready = ctx.Queue()
+        start(server_main, ready, stop, served, prof, srv_cpu)
+        servers += 1
+        try:
+            return ready.get(timeout=60)
+        except queue.Empty:
+            return None
+
+    loopers = busy_loopers(ctx, timeout) if busy else []
+    try:
+        peer = None
+        if variant.kind == "pair-grpc":
+            # The RPC and grpc.aio each in processes of their own: grpc.aio's
+            # threads beside the RPC in one process slowed the RPC's echo
+            # right after a gRPC echo by about a fifth (64 MiB over ucx://).
+            rpc_address = serve(dataclasses.replace(variant, kind="rpc"), srv_prof)
+            grpc_address = serve(Variant(variant.name, "grpc-peer", ""), None)
+            address = None if None in (rpc_address, grpc_address) else (
+                rpc_address, grpc_address)
+            if address is not None:
+                peer, theirs = ctx.Pipe()
+                start(turn_taker_main, theirs, grpc_address, cli_cpu)
+                theirs.close()  # the child has its own: its recv() ends with the client
+        else:
+            address = serve(variant, srv_prof)
+        if address is None:
+            codes = [p.exitcode for p in procs if p.exitcode is not None]
+            return "the server did not start within 60 s" + (
+                f" (exit code {codes[0]})" if codes else "")
+        start(client_main, done, address, variant, plan, cli_prof, only, cli_cpu, peer)
+        if peer is not None:
+            peer.close()
+        try:
+            _status, value = done.get(timeout=timeout)
+        except queue.Empty:
+            return f"timed out after {timeout:.0f} s"
+        return value  # the results, or the error text
+    finally:
+        for _ in range(servers):
+            stop.put("stop")
+        for proc in reversed(procs):
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for looper in loopers:
+            looper.kill()
+            looper.join(5)
+
+
+# --- the report ----------------------------------------------------------------
+
+
+# --- busy neighbours -------------------------------------------------------------
+
+
+def _busy_loop(cpu: int, seconds: float) -> None:
+    """Spin on ``cpu`` for at most ``seconds`` (the parent kills it sooner)."""
+    _pin(cpu)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pass
+
+
+def busy_loopers(ctx: Any, seconds: float) -> list[Any]:
+    """One busy-looping process per CPU this process may use, each pinned to
+    its CPU and bounded to ``seconds``: a host whose cores are all busy."""
+    loopers = []
+    for cpu in sorted(os.sched_getaffinity(0)):
+        proc = ctx.Process(target=_busy_loop, args=(cpu, seconds), daemon=True)
+        proc.start()
+        loopers.append(proc)
+    return loopers
+
