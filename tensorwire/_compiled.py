@@ -15,7 +15,10 @@ from typing import Any
 __all__ = ("MODULES", "status")
 
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = (
+    "tensorwire.transports._frame_table",
+    "tensorwire.transports._stream_framing",
+)
 
 
 def status() -> dict[str, Any]:

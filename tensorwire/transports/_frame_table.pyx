@@ -12,17 +12,17 @@ One codec for both transports (docs/protocol.md, "Message" and "ucx://"):
 A byte stream then carries the frames' bytes (``_stream_framing.FrameReader``
 reads them); ucx:// carries the inline frames after the table in the same
 UCX message and every other frame as a UCX message of its own.
+
+Compiled (issue 22): the stream reader parses a table per message it
+receives, through the C-level functions that ``_frame_table.pxd`` declares.
 """
 
-from __future__ import annotations
-
-import functools
 import struct
-from collections.abc import Sequence
-from typing import Any
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.string cimport memcpy, memset
 
 from ..errors import ProtocolError
-from ._frames import Device
 
 __all__ = (
     "DEVICE_CODES",
@@ -38,7 +38,6 @@ __all__ = (
     "decode_table",
     "device_name",
     "encode_table",
-    "sizes_struct",
     "table_size",
 )
 
@@ -52,59 +51,84 @@ PRELUDE_SIZE = PRELUDE.size
 ONE_FRAME = struct.Struct("<BBHIQQ")
 ONE_FRAME_SIZE = ONE_FRAME.size
 #: The same as three words: a one-frame data message's prelude is the first
-#: word's one value, so a single comparison checks all four fields, and
-#: packing takes three values (the stream driver packs a batch with it
-#: directly).
+#: word's one value, so a single comparison checks all four fields.
 ONE_FRAME_WORDS = struct.Struct("<QQQ")
 ONE_DATA_PRELUDE = KIND_DATA | 1 << 32
 assert ONE_FRAME_WORDS.size == ONE_FRAME_SIZE
 
 DEVICE_CODES = {"cpu": 0, "cuda": 1}
-_DEVICE_NAMES: tuple[Device, ...] = ("cpu", "cuda")
+_DEVICE_NAMES = ("cpu", "cuda")
 #: ucx:// only: bit 7 of a code byte marks a host frame whose bytes follow
 #: the table inside the header message.
 INLINE_FLAG = 0x80
 
 
-def table_size(nframes: int) -> int:
+cpdef Py_ssize_t table_size(Py_ssize_t nframes):
     """Bytes of the table of ``nframes`` frames: sizes, codes, padding."""
     return 8 * nframes + (nframes + 7) // 8 * 8
 
 
-@functools.lru_cache(maxsize=256)
-def sizes_struct(nframes: int) -> struct.Struct:
-    """The layout of ``nframes`` frame sizes (cached: one per frame count)."""
-    return struct.Struct(f"<{nframes}Q")
-
-
-def encode_table(sizes: Sequence[int], codes: bytes | bytearray | None = None) -> bytes:
+def encode_table(sizes, codes=None):
     """The prelude and frame table of a data message (``codes`` None: all
     frames in host memory)."""
-    n = len(sizes)
-    tail = bytes(n + -n % 8) if codes is None else bytes(codes) + bytes(-n % 8)
-    return PRELUDE.pack(KIND_DATA, 0, 0, n) + sizes_struct(n).pack(*sizes) + tail
+    cdef Py_ssize_t n = len(sizes), i
+    cdef Py_ssize_t size = 8 + table_size(n)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, size)
+    cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(out)
+    cdef const unsigned char[::1] code_bytes
+    memset(p, 0, size)
+    p[0] = KIND_DATA
+    p[4] = n & 0xFF
+    p[5] = (n >> 8) & 0xFF
+    p[6] = (n >> 16) & 0xFF
+    p[7] = (n >> 24) & 0xFF
+    for i in range(n):
+        store_u64le(p + 8 + 8 * i, sizes[i])
+    if codes is not None and n:
+        code_bytes = bytes(codes)
+        if code_bytes.shape[0] != n:
+            raise ValueError(f"{code_bytes.shape[0]} device codes for {n} frames")
+        memcpy(p + 8 + 8 * n, &code_bytes[0], n)
+    return out
 
 
-def decode_table(table: Any, nframes: int, offset: int = 0) -> tuple[tuple[int, ...], bytes]:
+cdef inline tuple _sizes(const unsigned char* p, Py_ssize_t n):
+    return tuple([load_u64le(p + 8 * i) for i in range(n)])
+
+
+cpdef tuple decode_sizes(const unsigned char[::1] table, Py_ssize_t nframes,
+                         Py_ssize_t offset):
+    """``decode_table`` on a buffer the caller has typed already."""
+    cdef Py_ssize_t n = nframes, i
+    cdef Py_ssize_t end = offset + table_size(n)
+    if offset < 0 or table.shape[0] < end:
+        raise ProtocolError(f"frame table of {n} frames cut short")
+    cdef const unsigned char* p = &table[offset] if end > offset else NULL
+    cdef tuple sizes = _sizes(p, n)
+    cdef bytes codes = PyBytes_FromStringAndSize(<const char*>p + 8 * n, n) if n else b""
+    cdef bint nonzero = False
+    for i in range(8 * n + n, end - offset):
+        nonzero = nonzero or p[i] != 0
+    if nonzero:
+        raise ProtocolError("nonzero padding in frame table")
+    return sizes, codes
+
+
+def decode_table(table, nframes, offset=0):
     """The frame sizes and the ``nframes`` code bytes of the table at ``offset``.
 
     Raises:
-        ProtocolError: a nonzero padding byte.
+        ProtocolError: a nonzero padding byte, or a table cut short.
     """
-    n = nframes
-    sizes = sizes_struct(n).unpack_from(table, offset)
-    codes = bytes(table[offset + 8 * n : offset + table_size(n)])
-    if codes.count(0) != len(codes) and any(codes[n:]):
-        raise ProtocolError("nonzero padding in frame table")
-    return sizes, codes[:n]
+    return decode_sizes(memoryview(table).cast("B"), nframes, offset)
 
 
-def device_name(code: int, index: int) -> Device:
+cpdef str device_name(int code, Py_ssize_t index):
     """The device of frame ``index`` from its code (without ``INLINE_FLAG``).
 
     Raises:
         ProtocolError: an unknown device code.
     """
-    if code >= len(_DEVICE_NAMES):
+    if code < 0 or code >= len(_DEVICE_NAMES):
         raise ProtocolError(f"unknown device code {code} for frame {index}")
     return _DEVICE_NAMES[code]
