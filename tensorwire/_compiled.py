@@ -18,6 +18,7 @@ __all__ = ("MODULES", "status")
 MODULES: tuple[str, ...] = (
     "tensorwire.transports._frame_table",
     "tensorwire.transports._stream_framing",
+    "tensorwire.transports._stream_writes",
 )
 
 

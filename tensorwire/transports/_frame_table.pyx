@@ -54,7 +54,8 @@ ONE_FRAME_SIZE = ONE_FRAME.size
 #: word's one value, so a single comparison checks all four fields.
 ONE_FRAME_WORDS = struct.Struct("<QQQ")
 ONE_DATA_PRELUDE = KIND_DATA | 1 << 32
-assert ONE_FRAME_WORDS.size == ONE_FRAME_SIZE
+assert ONE_FRAME_WORDS.size == ONE_FRAME_SIZE == ONE_FRAME_HEADER_SIZE
+assert ONE_DATA_PRELUDE == ONE_DATA_PRELUDE_WORD
 
 DEVICE_CODES = {"cpu": 0, "cuda": 1}
 _DEVICE_NAMES = ("cpu", "cuda")

@@ -20,12 +20,20 @@ from libc.string cimport memcpy
 
 from ..errors import LimitExceededError, ProtocolError, TensorwireError, TransportError
 
-from ._frame_table import DEVICE_CODES, KIND_DATA, KIND_GOODBYE, ONE_DATA_PRELUDE, ONE_FRAME_SIZE
-from ._frame_table import PRELUDE, PRELUDE_SIZE, ONE_FRAME_WORDS, encode_table
+from ._frame_table import DEVICE_CODES, KIND_DATA, KIND_GOODBYE
+from ._frame_table import PRELUDE, PRELUDE_SIZE, encode_table
 from ._frames import ALIGNMENT, FrameInfo, default_allocator, host_empty, writable_view
 from ._limit_checks import check_frame_count, check_limits, refused_head
 
-from ._frame_table cimport decode_sizes, device_name, load_u64le, table_size
+from ._frame_table cimport (
+    ONE_DATA_PRELUDE_WORD,
+    ONE_FRAME_HEADER_SIZE,
+    decode_sizes,
+    device_name,
+    load_u64le,
+    one_frame_header,
+    table_size,
+)
 
 __all__ = (
     "GOODBYE",
@@ -62,8 +70,6 @@ cdef Py_ssize_t _STAGING_SIZE = STAGING_SIZE
 cdef Py_ssize_t _DIRECT_MIN = DIRECT_MIN
 cdef Py_ssize_t _SLAB_MAX = SLAB_MAX
 cdef Py_ssize_t _PRELUDE_SIZE = PRELUDE_SIZE
-cdef Py_ssize_t _ONE_FRAME_SIZE = ONE_FRAME_SIZE
-cdef uint64_t _ONE_DATA_PRELUDE = ONE_DATA_PRELUDE
 cdef Py_ssize_t _ALIGNMENT = ALIGNMENT
 cdef Py_ssize_t _HANDSHAKE_SIZE = len(HANDSHAKE)
 cdef int _KIND_DATA = KIND_DATA
@@ -117,7 +123,7 @@ def pack_header(sizes, devices=None):
 
 def pack_one_frame(nbytes):
     """``pack_header([nbytes])``, the common case, at a fraction of the cost."""
-    return ONE_FRAME_WORDS.pack(ONE_DATA_PRELUDE, nbytes, 0)
+    return one_frame_header(nbytes)
 
 
 class Goodbye:
@@ -506,14 +512,14 @@ cdef class FrameReader:
         cdef Py_ssize_t start = self._start, first = self._start, end = self._end
         cdef uint64_t size
         events = self.events
-        while end - start >= _ONE_FRAME_SIZE:
+        while end - start >= ONE_FRAME_HEADER_SIZE:
             word = <const unsigned char*>data + start
             size = load_u64le(word + 8)
-            if (load_u64le(word) != _ONE_DATA_PRELUDE or load_u64le(word + 16) != 0
+            if (load_u64le(word) != ONE_DATA_PRELUDE_WORD or load_u64le(word + 16) != 0
                     or size > <uint64_t>self._small_max
-                    or <uint64_t>(end - start - _ONE_FRAME_SIZE) < size):
+                    or <uint64_t>(end - start - ONE_FRAME_HEADER_SIZE) < size):
                 break
-            start += _ONE_FRAME_SIZE
+            start += ONE_FRAME_HEADER_SIZE
             if self.small_as_bytearray:
                 events.append([PyByteArray_FromStringAndSize(data + start, size)])
             else:
