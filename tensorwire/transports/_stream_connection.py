@@ -327,7 +327,7 @@ class StreamConnection(StreamSending):
         try:
             handed = reader.hand_out(receiver or self._queue.deliver, self._budget)
         except Exception as exc:
-            # Counted as handed out: the message that failed, and those before it.
+            # The connection ends here, and its counts with it.
             self._fail(consumer_failed(exc, "message receiver", self._peer_address))
             return False
         if handed:
