@@ -42,7 +42,14 @@ class StreamSending(Connection):
             raise self._closed_error()
         buffers, nbytes = outgoing_many((frames,), self)
         self._count_out(1, nbytes)
-        await self._send_locked(buffers)
+        if not self._may_write_now():
+            await self._send_locked(buffers)
+            return
+        rest = self._write_at_once(buffers)
+        if rest is not None:
+            # Shielded: a cancelled sender leaves the rest to be finished,
+            # as the peer's framing needs (and the next send waits for it).
+            await asyncio.shield(rest)
 
     async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
         # One scatter-gather write for the lot: under load (many RPC replies
@@ -63,11 +70,25 @@ class StreamSending(Connection):
             raise self._closed_error()
         buffers, nbytes = outgoing_many(messages, self)
         self._count_out(len(messages), nbytes)
-        if not self._writes_now or self._send_lock.locked() or self._tail is not None:
+        if not self._may_write_now():
             # Started now, not from a task's first step: it takes its place
             # in the send lock's queue before this returns, so a send()
             # called afterwards cannot overtake it.
             return start_eagerly(self._send_locked(buffers))
+        return self._write_at_once(buffers)
+
+    def _may_write_now(self) -> bool:
+        """True when nothing else is being sent: a message may go to the
+        socket at once, without the send lock."""
+        return self._writes_now and not self._send_lock.locked() and self._tail is None
+
+    def _write_at_once(self, buffers: list[Any]) -> asyncio.Task[None] | None:
+        """Write what the socket takes now of ``buffers`` (see
+        ``_may_write_now``); the task that writes the rest, if any.
+
+        Raises:
+            ConnectionClosedError: the write failed (the connection ends).
+        """
         try:
             self._write_now(buffers)
         except OSError as exc:
