@@ -1,11 +1,15 @@
-"""Transport benchmark: one-way bandwidth and round-trip latency, side by side.
+"""Transport benchmark: one-way bandwidth, round-trip latency and large echoes, side by side.
 
 Each variant runs as a server process and a client process (UCX reads its
 settings once per process, so every variant gets fresh ones). One connection
 per variant carries every size: the client announces ``(mode, size, count)``
 and then runs it. Receivers reuse one buffer per size, as a training loop
 reusing its gradient buffers would, for every variant alike; a bandwidth
-run's first message, which faults that buffer in, is not timed.
+run's first message, which faults that buffer in, is not timed. The large
+echoes (64 MiB and more) of tcp:// and ucx:// receive into the default
+allocator's buffers instead (the buffer pool, huge pages where the kernel
+offers them), as an application does; the table header states the kernel's
+huge page mode.
 
     python bench/transports.py            # writes bench/results/transports.md
     python bench/transports.py --quick    # fewer sizes and repetitions
@@ -34,6 +38,11 @@ RESULTS = Path(__file__).parent / "results" / "transports.md"
 CONTROL = struct.Struct("<4sQQ")  # mode, size, count
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 QUICK_SIZES = [8, 4 << 10, 1 << 20, 64 << 20]
+#: Messages of at least this size are also echoed (mode "echo": the issue 22
+#: target, tcp:// at least 90% of a bare blocking socket).
+ECHO_MIN = 64 << 20
+#: The modes in which the server sends each message back.
+REPLIED = (b"lat ", b"echo")
 
 
 def counts(size: int, budget: float, quick: bool) -> tuple[int, int]:
@@ -45,11 +54,17 @@ def counts(size: int, budget: float, quick: bool) -> tuple[int, int]:
 
 
 def announced(mode: str, count: int) -> int:
-    """The messages a client announces: a bandwidth run sends one untimed
-    first, so that the receiver's fresh buffer faults in outside the clock
-    (on a VM whose memory the host backs lazily, touching fresh pages ran at
-    0.1 GB/s, which five 64 MiB messages could not hide)."""
-    return count + 1 if mode == "bw" else count
+    """The messages a client announces: a bandwidth run and an echo send one
+    untimed first, so that the receiver's fresh buffer faults in outside the
+    clock (on a VM whose memory the host backs lazily, touching fresh pages
+    ran at 0.1 GB/s, which five 64 MiB messages could not hide)."""
+    return count + 1 if mode in ("bw", "echo") else count
+
+
+def timed(samples: list[float], count: int) -> float:
+    """The median of the last ``count`` round trips (the first of an echo is
+    the untimed warm-up)."""
+    return statistics.median(samples[len(samples) - count :])
 
 
 # --- raw blocking sockets: the ceiling -------------------------------------
@@ -79,7 +94,7 @@ def raw_socket_server(ready: Any) -> None:
         buf = memoryview(np.empty(size, np.uint8).data)
         for _ in range(count):
             _recv_exact(conn, buf)
-            if mode == b"lat ":
+            if mode in REPLIED:
                 conn.sendall(buf)
         if mode == b"bw  ":
             conn.sendall(b"k")
@@ -102,12 +117,12 @@ def raw_socket_client(address: str, plan: list[tuple[str, int, int]]) -> list[fl
             results.append(size * count / (time.perf_counter() - start))
         else:
             samples = []
-            for _ in range(count):
+            for _ in range(announced(mode, count)):
                 start = time.perf_counter()
                 conn.sendall(data)
                 _recv_exact(conn, back)
                 samples.append(time.perf_counter() - start)
-            results.append(statistics.median(samples))
+            results.append(timed(samples, count))
     conn.close()
     return results
 
@@ -128,7 +143,7 @@ def streams_server(ready: Any, cpu: int | None = None) -> None:
                     mode, size, count = CONTROL.unpack(await reader.readexactly(CONTROL.size))
                     for _ in range(count):
                         data = await reader.readexactly(size)
-                        if mode == b"lat ":
+                        if mode in REPLIED:
                             writer.write(data)
                     if mode == b"bw  ":
                         writer.write(b"k")
@@ -166,12 +181,12 @@ def streams_client(
                 results.append(size * count / (time.perf_counter() - start))
             else:
                 samples = []
-                for _ in range(count):
+                for _ in range(announced(mode, count)):
                     start = time.perf_counter()
                     writer.write(data)
                     await reader.readexactly(size)
                     samples.append(time.perf_counter() - start)
-                results.append(statistics.median(samples))
+                results.append(timed(samples, count))
         writer.close()
         return results
 
@@ -224,8 +239,11 @@ def tw_server(
                         return buf
 
                     for _ in range(count):
-                        message = await conn.recv(allocator=into)
-                        if mode == b"lat ":
+                        # An echo receives as an application would, into
+                        # buffers of the default allocator (the pool, backed
+                        # by huge pages where the kernel offers them).
+                        message = await conn.recv(allocator=None if mode == b"echo" else into)
+                        if mode in REPLIED:
                             await conn.send(message)
                     if mode == b"bw  ":
                         await conn.send([b"k"])
@@ -265,13 +283,14 @@ def tw_client(
                 await conn.recv()
                 results.append(size * count / (time.perf_counter() - start))
             else:
+                allocator = None if mode == "echo" else lambda info, back=back: back
                 samples = []
-                for _ in range(count):
+                for _ in range(announced(mode, count)):
                     start = time.perf_counter()
                     await conn.send([data])
-                    await conn.recv(allocator=lambda info, back=back: back)
+                    await conn.recv(allocator=allocator)
                     samples.append(time.perf_counter() - start)
-                results.append(statistics.median(samples))
+                results.append(timed(samples, count))
         await conn.close()
         return results
 
@@ -336,7 +355,7 @@ def raw_ucxx_server(ready: Any, tls: str | None) -> None:
             buf = np.empty(size, np.uint8)
             for _ in range(count):
                 await ep.recv(buf, tag=_TAG_DATA, force_tag=True)
-                if mode == b"lat ":
+                if mode in REPLIED:
                     await ep.send(buf, tag=_TAG_BACK, force_tag=True)
             if mode == b"bw  ":
                 await ep.send(np.ones(1, np.uint8), tag=_TAG_BACK, force_tag=True)
@@ -374,12 +393,12 @@ def raw_ucxx_client(address: str, plan: list[tuple[str, int, int]], tls: str | N
                 results.append(size * count / (time.perf_counter() - start))
             else:
                 samples = []
-                for _ in range(count):
+                for _ in range(announced(mode, count)):
                     start = time.perf_counter()
                     await ep.send(data, tag=_TAG_DATA, force_tag=True)
                     await ep.recv(back, tag=_TAG_BACK, force_tag=True)
                     samples.append(time.perf_counter() - start)
-                results.append(statistics.median(samples))
+                results.append(timed(samples, count))
         end = np.frombuffer(CONTROL.pack(b"end ", 0, 0), np.uint8)
         await ep.send(end, tag=_TAG_CONTROL, force_tag=True)
         await ep.recv(ack, tag=_TAG_BACK, force_tag=True)
@@ -467,10 +486,13 @@ def environment() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     import tensorwire
+    from tensorwire.transports import transparent_huge_pages
 
     lines = [
         f"- CPU: {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}; "
         f"NumPy {np.__version__}; tensorwire {tensorwire.__version__}",
+        f"- transparent huge pages: {transparent_huge_pages()} (tensorwire's receive buffers of "
+        "2 MiB and more get huge pages under 'always' and 'madvise')",
     ]
     # Versions from the package metadata: importing ucxx here would set UCX
     # variables in this process's environment, which spawned children inherit.
@@ -498,6 +520,8 @@ def main() -> None:
         plan.append(("bw", size, bw))
         if size <= 1 << 20:
             plan.append(("lat", size, lat))
+        if size >= ECHO_MIN:
+            plan.append(("echo", size, lat))
     # Every variant runs once per round, round-robin, and each cell is the
     # median over the rounds: on a small shared machine one run can be off
     # by 2x.
@@ -585,6 +609,16 @@ def targets(plan: list[tuple[str, int, int]], rows: dict[str, list[float] | str]
                 cells.append(f"{fmt_size(size)} {a / b:.0%} {verdict(a >= goal * b)}")
         if cells:
             out.append(f"- {ours} bandwidth >= {goal:.0%} of {base}: " + "; ".join(cells))
+    for ours in ("tcp:// uvloop", "tcp:// asyncio"):
+        cells = []
+        for size in sorted({s for m, s, _ in plan if m == "echo"}):
+            a = _cell(plan, rows, ours, "echo", size)
+            b = _cell(plan, rows, "raw socket (blocking)", "echo", size)
+            if a is not None and b is not None:
+                # Round trips: the lower the better.
+                cells.append(f"{fmt_size(size)} {b / a:.0%} {verdict(b >= 0.9 * a)}")
+        if cells:
+            out.append(f"- {ours} echo >= 90% of raw socket (blocking): " + "; ".join(cells))
     for ours, base in (("tcp:// uvloop", "raw socket (blocking)"),
                        ("tcp:// uvloop", "asyncio streams (uvloop)"),
                        ("tcp:// uvloop, one CPU", "asyncio streams (uvloop), one CPU"),
@@ -623,7 +657,8 @@ def write_results(
         environment(),
         "",
     ]
-    tables = (("bw", "One-way bandwidth", "GB/s"), ("lat", "Round trip (median)", "µs"))
+    tables = (("bw", "One-way bandwidth", "GB/s"), ("lat", "Round trip (median)", "µs"),
+              ("echo", "Large echo, both ways: 2 x size / median round trip", "GB/s"))
     for mode, title, unit in tables:
         out += [f"## {title} ({unit})", "", "| size | " + " | ".join(names) + " |",
                 "|---:|" + "---:|" * len(names)]
@@ -637,6 +672,8 @@ def write_results(
                     cells.append("—")
                 elif mode == "bw":
                     cells.append(f"{value[i] / 1e9:.2f}")
+                elif mode == "echo":
+                    cells.append(f"{2 * size / value[i] / 1e9:.2f}")
                 else:
                     cells.append(f"{value[i] * 1e6:.1f}")
             out.append(f"| {fmt_size(size)} | " + " | ".join(cells) + " |")

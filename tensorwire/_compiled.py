@@ -15,7 +15,11 @@ from typing import Any
 __all__ = ("MODULES", "status")
 
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = (
+    "tensorwire.transports._frame_table",
+    "tensorwire.transports._stream_framing",
+    "tensorwire.transports._stream_writes",
+)
 
 
 def status() -> dict[str, Any]:

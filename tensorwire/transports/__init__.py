@@ -7,6 +7,7 @@ Transports never look inside a frame.
 
 from ._base import Connection, ConnectionHandler, Listener
 from ._frames import Allocator, FrameInfo, default_allocator
+from ._huge_pages import transparent_huge_pages
 from ._pool import BufferPool, PoolStats, buffer_pool
 from ._registry import (
     Backend,
@@ -37,4 +38,5 @@ __all__ = (
     "listen",
     "parse_host_port",
     "register_transport",
+    "transparent_huge_pages",
 )

@@ -19,7 +19,11 @@ How a buffer comes back
 
 What it keeps
     The receive paths ask it for buffers of ``POOL_MIN_BYTES`` and more
-    (smaller ones come from malloc's heap, already touched). Sizes are
+    (smaller ones come from malloc's heap, already touched). Blocks of
+    ``HUGE_PAGE_BYTES`` (2 MiB) and more start on a 2 MiB boundary and are
+    advised to be backed by transparent huge pages where the kernel offers
+    them (``_huge_pages``; ``tensorwire.transports.transparent_huge_pages()``
+    says whether it does). Sizes are
     rounded up to one of 8 per power of two (at most 12.5% more), so that
     near sizes share blocks. At most ``max_bytes`` of idle blocks are kept,
     the least recently returned dropped first, and a block idle for
@@ -48,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from ._huge_pages import HUGE_PAGE_BYTES, huge_page_empty, transparent_huge_pages
 
 __all__ = ("POOL_MIN_BYTES", "BufferPool", "PoolStats", "buffer_pool")
 
@@ -169,9 +174,13 @@ class BufferPool:
                 or align < 1):
             raise ValueError(f"cannot allocate {nbytes!r} bytes aligned to {align!r}")
         nbytes, align = int(nbytes), int(align)
-        # The slack for alignment comes on top of the rounded size, so that a
-        # power-of-two tensor gets a block of its own size class.
-        size = _block_size(nbytes) + align
+        size = _block_size(nbytes)
+        huge = size >= HUGE_PAGE_BYTES and transparent_huge_pages() in ("always", "madvise")
+        if not (huge and HUGE_PAGE_BYTES % align == 0):
+            # The slack for alignment comes on top of the rounded size, so
+            # that a power-of-two tensor gets a block of its own size class
+            # (a huge-page block starts on a 2 MiB boundary: no slack).
+            size += align
         block = None
         with self._section():
             now = time.monotonic()
@@ -185,7 +194,7 @@ class BufferPool:
             else:
                 self._misses += 1
         if block is None:
-            block = np.empty(size, dtype=np.uint8)
+            block = huge_page_empty(size) if huge else np.empty(size, dtype=np.uint8)
         return np.asarray(_Lease(self, block, nbytes, align))
 
     def clear(self) -> None:

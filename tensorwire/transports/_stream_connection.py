@@ -77,8 +77,6 @@ class StreamConnection(StreamSending):
         self._tail: asyncio.Task[None] | None = None
         # Called once when the connection ends (set by a listener).
         self.on_end: Callable[[], None] | None = None
-        # Set by pause_reading(): no message is handed out, nothing read.
-        self._held = False
         # Messages this read callback may still hand out (READ_BUDGET_MESSAGES),
         # and whether a later turn was asked to go on (see _pump).
         self._budget = READ_BUDGET_MESSAGES
@@ -132,13 +130,14 @@ class StreamConnection(StreamSending):
         return True
 
     def pause_reading(self) -> bool:
-        # The next _pump() stops, and with it the driver's reading.
-        self._held = True
+        # No message is handed out any more (the reader's hand_out stops),
+        # and the next _pump() stops the driver's reading.
+        self._reader.paused = True
         return True
 
     def resume_reading(self) -> None:
-        if self._held:
-            self._held = False
+        if self._reader.paused:
+            self._reader.paused = False
             if self._error is None:
                 self._kick()
 
@@ -279,12 +278,13 @@ class StreamConnection(StreamSending):
             self._kick()
 
     def _pump(self) -> bool:
-        if self._held:
-            return False
+        """Hand out what the reader has, within this turn's budget, and
+        allocate the next message for its consumer; False: stop reading
+        for now (paused, out of budget, waiting for a recv(), or ended)."""
         reader = self._reader
         events = reader.events
-        while True:
-            while events:
+        while not reader.paused:
+            if events:
                 if self._budget <= 0:
                     # Fairness: give the loop back; a later turn goes on
                     # (meanwhile the driver does not read).
@@ -292,31 +292,9 @@ class StreamConnection(StreamSending):
                         self._yielded = True
                         self._loop.call_soon(self._go_on)
                     return False
-                self._budget -= 1
-                event = events.popleft()
-                if type(event) is not list:
-                    if isinstance(event, Refused):
-                        self.messages_received += 1
-                        self._refused(event.error)
-                        if self._error is not None:
-                            return False
-                        continue
-                    self._fail(
-                        ConnectionClosedError(f"connection closed by the peer {self._peer_address}")
-                    )
+                if not self._hand_out():
                     return False
-                self.messages_received += 1
-                receiver = self._receiver
-                if receiver is None:
-                    self._queue.deliver(event)
-                    continue
-                try:  # call_consumer, inlined: this runs for every message
-                    receiver(event)
-                except Exception as exc:
-                    self._fail(consumer_failed(exc, "message receiver", self._peer_address))
-                    return False
-                if self._error is not None or self._held:
-                    return False
+                continue
             if reader.frames_announced is None:
                 return self._error is None
             if self._receiver is not None:
@@ -338,6 +316,34 @@ class StreamConnection(StreamSending):
             if not self._allocate(allocator or self._allocator):
                 return False
             self._queue.bind(waiter)
+        return False
+
+    def _hand_out(self) -> bool:
+        """Pass the messages at the front of the reader's events on (the
+        compiled loop, ``FrameReader.hand_out``), or act on the goodbye or
+        refusal there; False: the connection ended."""
+        reader = self._reader
+        receiver = self._receiver
+        try:
+            handed = reader.hand_out(receiver or self._queue.deliver, self._budget)
+        except Exception as exc:
+            # The connection ends here, and its counts with it.
+            self._fail(consumer_failed(exc, "message receiver", self._peer_address))
+            return False
+        if handed:
+            self._budget -= handed
+            self.messages_received += handed
+            return self._error is None
+        # None handed out, within budget and not paused: a goodbye or a
+        # refusal is at the front.
+        event = reader.events.popleft()
+        self._budget -= 1
+        if isinstance(event, Refused):
+            self.messages_received += 1
+            self._refused(event.error)
+            return self._error is None
+        self._fail(ConnectionClosedError(f"connection closed by the peer {self._peer_address}"))
+        return False
 
     def _allocate(self, allocator: Allocator) -> bool:
         """Allocate the announced message; False: that failed the connection."""

@@ -1,5 +1,5 @@
-"""Sending on a byte stream: a message's frames as the buffers of one
-scatter-gather write (``outgoing``), the send lock, writing at once where
+"""Sending on a byte stream: messages as the buffers of one scatter-gather
+write (``_stream_writes.outgoing_many``, compiled), the send lock, writing at once where
 the socket takes it, and finishing a message whose sender was cancelled
 part-way (the peer's framing must hold).
 
@@ -18,68 +18,9 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConnectionClosedError, TensorwireError
 from ._base import Connection
 from ._eager import start_eagerly
-from ._frame_table import ONE_DATA_PRELUDE, ONE_FRAME_WORDS
-from ._frames import device_nbytes, host_view, is_device_frame
-from ._stream_framing import pack_header, pack_one_frame
+from ._stream_writes import outgoing_many
 
-__all__ = ("StreamSending", "outgoing")
-
-
-def outgoing(frames: Sequence[Any], owner: Connection | None = None) -> list[Any]:
-    """The buffers that put ``frames`` on a byte stream: header, then frames.
-
-    Host frames go as zero-copy views; a CUDA frame is first copied to host
-    memory, since a socket cannot read device memory, and counted in the
-    ``device_bytes_staged`` of ``owner`` (the connection that sends it).
-    """
-    if len(frames) == 1 and type(frames[0]) is bytes:
-        # A small RPC message (its header frame holds the value).
-        frame = frames[0]
-        return [pack_one_frame(len(frame)), frame]
-    sizes: list[int] = []
-    devices: list[str] | None = None
-    views: list[Any] = []
-    for index, frame in enumerate(frames):
-        # bytes and memoryviews (what serde and the RPC layer send) skip
-        # the device check, which costs a failed attribute lookup.
-        if type(frame) not in _HOST_TYPES and is_device_frame(frame):
-            from ._device import device_to_host
-
-            if devices is None:
-                devices = ["cpu"] * index
-            nbytes = device_nbytes(frame)
-            sizes.append(nbytes)
-            devices.append("cuda")
-            views.append(device_to_host(frame).data)
-            if owner is not None:
-                owner.device_bytes_staged += nbytes
-        else:
-            view = host_view(frame)
-            sizes.append(view.nbytes)
-            if devices is not None:
-                devices.append("cpu")
-            views.append(view)
-    return [pack_header(sizes, devices), *views]
-
-
-_HOST_TYPES = frozenset({bytes, bytearray, memoryview})
-
-
-def _outgoing_many(messages: Sequence[Sequence[Any]], owner: Connection) -> list[Any]:
-    buffers: list[Any] = []
-    append = buffers.append
-    pack = ONE_FRAME_WORDS.pack
-    for frames in messages:
-        if len(frames) == 1:
-            frame = frames[0]
-            if type(frame) is bytes:
-                # outgoing()'s first case (pack_one_frame), inlined: a batch
-                # of small RPC messages.
-                append(pack(ONE_DATA_PRELUDE, len(frame), 0))
-                append(frame)
-                continue
-        buffers.extend(outgoing(frames, owner))
-    return buffers
+__all__ = ("StreamSending",)
 
 
 class StreamSending(Connection):
@@ -99,38 +40,57 @@ class StreamSending(Connection):
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:
             raise self._closed_error()
-        buffers = outgoing(frames, self)
-        self._count_out(1, buffers)
-        await self._send_locked(buffers)
+        buffers, nbytes = outgoing_many((frames,), self)
+        self._count_out(1, nbytes)
+        if not self._may_write_now():
+            await self._send_locked(buffers)
+            return
+        rest = self._write_at_once(buffers)
+        if rest is not None:
+            # Shielded: a cancelled sender leaves the rest to be finished,
+            # as the peer's framing needs (and the next send waits for it).
+            await asyncio.shield(rest)
 
     async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
         # One scatter-gather write for the lot: under load (many RPC replies
         # at once) that is one syscall instead of one per message.
         if self.closed:
             raise self._closed_error()
-        buffers = _outgoing_many(messages, self)
-        self._count_out(len(messages), buffers)
+        buffers, nbytes = outgoing_many(messages, self)
+        self._count_out(len(messages), nbytes)
         await self._send_locked(buffers)
 
-    def _count_out(self, messages: int, buffers: list[Any]) -> int:
-        """Count ``messages`` going out as ``buffers``; returns their bytes."""
+    def _count_out(self, messages: int, nbytes: int) -> None:
+        """Count ``messages`` of ``nbytes`` in all going out."""
         self.messages_sent += messages
-        nbytes = sum(map(len, buffers))  # bytes, or memoryviews cast to "B"
         self.bytes_sent += nbytes
-        return nbytes
 
     def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
         if self.closed:
             raise self._closed_error()
-        buffers = _outgoing_many(messages, self)
-        nbytes = self._count_out(len(messages), buffers)
-        if not self._writes_now or self._send_lock.locked() or self._tail is not None:
+        buffers, nbytes = outgoing_many(messages, self)
+        self._count_out(len(messages), nbytes)
+        if not self._may_write_now():
             # Started now, not from a task's first step: it takes its place
             # in the send lock's queue before this returns, so a send()
             # called afterwards cannot overtake it.
             return start_eagerly(self._send_locked(buffers))
+        return self._write_at_once(buffers)
+
+    def _may_write_now(self) -> bool:
+        """True when nothing else is being sent: a message may go to the
+        socket at once, without the send lock."""
+        return self._writes_now and not self._send_lock.locked() and self._tail is None
+
+    def _write_at_once(self, buffers: list[Any]) -> asyncio.Task[None] | None:
+        """Write what the socket takes now of ``buffers`` (see
+        ``_may_write_now``); the task that writes the rest, if any.
+
+        Raises:
+            ConnectionClosedError: the write failed (the connection ends).
+        """
         try:
-            self._write_now(buffers, nbytes)
+            self._write_now(buffers)
         except OSError as exc:
             raise self._write_failed(exc) from exc
         if not buffers:
@@ -191,10 +151,9 @@ class StreamSending(Connection):
     #: Whether the driver can write without waiting (``_write_now``).
     _writes_now = False
 
-    def _write_now(self, buffers: list[Any], nbytes: int) -> None:
-        """Write what the socket takes now of ``buffers`` (``nbytes`` in
-        all), removing it from their front; raises OSError when the write
-        fails."""
+    def _write_now(self, buffers: list[Any]) -> None:
+        """Write what the socket takes now of ``buffers``, removing it from
+        their front; raises OSError when the write fails."""
         raise NotImplementedError
 
     @abc.abstractmethod

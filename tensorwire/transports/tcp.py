@@ -31,14 +31,13 @@ from ._frames import Allocator
 from ._registry import Backend, format_host_port, parse_host_port
 from ._stream_connection import StreamConnection
 from ._stream_framing import HANDSHAKE
+from ._stream_writes import write_some
 from .config import TransportConfig
 
 __all__ = ("TCPBackend", "TCPListener", "backend")
 
 logger = logging.getLogger(__name__)
 
-#: sendmsg() takes at most IOV_MAX (1024 on Linux) buffers per call.
-_IOV_MAX = 1024
 #: TLS writes are cut into pieces this large so that at most about this much
 #: plaintext sits encrypted in the transport's buffer.
 _TLS_CHUNK = 1 << 20
@@ -159,38 +158,19 @@ class SocketConnection(StreamConnection):
 
     _writes_now = True
 
-    def _write_now(self, buffers: list[Any], nbytes: int) -> None:
-        sock = self._sock
-        if sock is None:
+    def _write_now(self, buffers: list[Any]) -> None:
+        if self._sock is None:
             raise self._closed_error()
-        if len(buffers) <= _IOV_MAX:
-            try:
-                sent = sock.sendmsg(buffers)
-            except (BlockingIOError, InterruptedError):
-                return
-            if sent == nbytes:
-                # The usual case: all of it (skips _advance's walk).
-                buffers.clear()
-                return
-            buffers[:] = _advance(buffers, sent)
-        while buffers:
-            try:
-                sent = sock.sendmsg(buffers[:_IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                return
-            buffers[:] = _advance(buffers, sent)
+        write_some(self._fd, buffers)
 
     async def _write(self, buffers: list[Any]) -> None:
-        while buffers:
-            sock = self._sock
-            if sock is None:
+        while True:
+            if self._sock is None:
                 raise self._closed_error()
-            try:
-                sent = sock.sendmsg(buffers[:_IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                await self._wait_writable()
-                continue
-            buffers[:] = _advance(buffers, sent)
+            write_some(self._fd, buffers)
+            if not buffers:
+                return
+            await self._wait_writable()
 
     async def _wait_writable(self) -> None:
         waiter: asyncio.Future[None] = self._loop.create_future()
@@ -222,21 +202,6 @@ class SocketConnection(StreamConnection):
 def _set_done(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
-
-
-def _advance(buffers: list[Any], sent: int) -> list[Any]:
-    """Drop ``sent`` bytes from the front of ``buffers`` (views, no copies)."""
-    index = 0
-    while index < len(buffers):
-        size = memoryview(buffers[index]).nbytes
-        if sent < size:
-            rest = buffers[index:]
-            if sent:
-                rest[0] = memoryview(rest[0]).cast("B")[sent:]
-            return rest
-        sent -= size
-        index += 1
-    return []
 
 
 class TLSConnection(StreamConnection, asyncio.BufferedProtocol):

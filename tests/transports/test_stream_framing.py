@@ -227,3 +227,57 @@ def test_message_buffered_only_for_a_small_message_wholly_in_the_read_ahead_buff
 @pytest.mark.parametrize("size", [0, 1, 4096, 2**40])
 def test_pack_one_frame_is_the_one_frame_header(size: int) -> None:
     assert pack_one_frame(size) == pack_header([size]) == pack_header([size], ["cpu"])
+
+
+def _reader_with(messages: list[bytes], *, goodbye: bool = False) -> FrameReader:
+    """A reader that parsed ``messages`` (one frame each) from one read."""
+    reader = FrameReader(Limits())
+    reader.auto_allocate = True
+    data = stream_of([[m] for m in messages]) + (GOODBYE if goodbye else b"")
+    reader.get_buffer()[: len(data)] = data
+    reader.buffer_updated(len(data))
+    return reader
+
+
+def test_one_read_parses_every_complete_message() -> None:
+    reader = _reader_with([b"m%d" % i for i in range(100)], goodbye=True)
+    assert len(reader.events) == 101
+    assert isinstance(reader.events[-1], Goodbye)
+
+
+def test_hand_out_passes_at_most_the_budget_and_stops_before_the_goodbye() -> None:
+    reader = _reader_with([b"a", b"b", b"c"], goodbye=True)
+    got: list[bytes] = []
+    assert reader.hand_out(lambda message: got.append(bytes(message[0])), 2) == 2
+    assert reader.hand_out(lambda message: got.append(bytes(message[0])), 2) == 1
+    assert got == [b"a", b"b", b"c"]
+    assert reader.hand_out(got.append, 2) == 0
+    assert isinstance(reader.events[0], Goodbye)
+
+
+def test_hand_out_stops_once_the_receiver_pauses_or_ends_the_stream() -> None:
+    reader = _reader_with([b"a", b"b", b"c", b"d"])
+
+    def pause(message: list[Any]) -> None:
+        reader.paused = True
+
+    assert reader.hand_out(pause, 10) == 1
+    assert reader.hand_out(pause, 10) == 0  # still paused
+    reader.paused = False
+
+    def end(message: list[Any]) -> None:
+        reader.release()
+
+    assert reader.hand_out(end, 10) == 1
+    assert not reader.events  # released with the stream
+
+
+def test_what_the_receiver_raises_propagates_and_the_rest_stays() -> None:
+    reader = _reader_with([b"a", b"b"])
+
+    def fail(message: list[Any]) -> None:
+        raise ValueError("consumer bug")
+
+    with pytest.raises(ValueError, match="consumer bug"):
+        reader.hand_out(fail, 10)
+    assert len(reader.events) == 1

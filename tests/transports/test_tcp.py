@@ -282,3 +282,32 @@ async def test_a_timed_out_connect_leaves_no_socket_behind() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_batch_of_more_buffers_than_one_sendmsg_takes_arrives_in_order() -> None:
+    # 1500 messages are 3000 buffers: more than IOV_MAX (1024) per sendmsg.
+    messages = [[f"m{i}".encode()] for i in range(1500)]
+    async with echo_server() as listener, await connect(listener.address) as conn:
+        await conn.send_many(messages)
+        for expected in messages:
+            assert as_bytes((await conn.recv())[0]) == expected[0]
+
+
+def test_write_some_leaves_what_a_full_socket_did_not_take() -> None:
+    from tensorwire.transports._stream_writes import write_some
+
+    left, right = socket.socketpair()
+    with left, right:
+        left.setblocking(False)
+        big = bytes(range(256)) * 4096  # 1 MiB: more than the socket buffer
+        buffers: list[Any] = [b"head", big, b"tail"]
+        sent = write_some(left.fileno(), buffers)
+        assert 0 < sent < len(big) + 8
+        rest = b"".join(bytes(b) for b in buffers)
+        assert len(rest) == len(big) + 8 - sent
+        assert rest.endswith(b"tail")
+        assert (b"head" + big + b"tail")[sent:] == rest
+        right.close()
+        # A failed send raises (the peer is gone), as socket.sendmsg would.
+        with pytest.raises(BrokenPipeError):
+            write_some(left.fileno(), buffers)

@@ -4,32 +4,36 @@ Bytes in, messages out; no sockets, no event loop. The asyncio drivers feed
 it with ``get_buffer()`` / ``buffer_updated(n)`` (the shape of
 ``asyncio.BufferedProtocol``), so a large frame is received straight into
 the buffer its allocator handed out. The layout is in docs/protocol.md.
+
+Compiled (issue 22): this is the per-message work of a stream connection.
+One ``buffer_updated`` parses every complete message the read brought
+(aiohttp's ``_http_parser.pyx`` does the same), and ``hand_out`` passes
+them to their consumer, a bounded number per call (the fairness budget of
+``_delivery``).
 """
 
-from __future__ import annotations
-
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
+
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from libc.stdint cimport uint64_t
+from libc.string cimport memcpy
 
 from ..errors import LimitExceededError, ProtocolError, TensorwireError, TransportError
-from ._frame_table import (
-    DEVICE_CODES,
-    KIND_DATA,
-    KIND_GOODBYE,
-    ONE_DATA_PRELUDE,
-    ONE_FRAME_SIZE,
-    ONE_FRAME_WORDS,
-    PRELUDE,
-    PRELUDE_SIZE,
-    decode_table,
-    device_name,
-    encode_table,
-    table_size,
-)
+
+from ._frame_table import DEVICE_CODES, KIND_DATA, KIND_GOODBYE
+from ._frame_table import PRELUDE, PRELUDE_SIZE, encode_table
 from ._frames import ALIGNMENT, FrameInfo, default_allocator, host_empty, writable_view
 from ._limit_checks import check_frame_count, check_limits, refused_head
-from .config import Limits
+
+from ._frame_table cimport (
+    ONE_DATA_PRELUDE_WORD,
+    ONE_FRAME_HEADER_SIZE,
+    decode_sizes,
+    device_name,
+    load_u64le,
+    one_frame_header,
+    table_size,
+)
 
 __all__ = (
     "GOODBYE",
@@ -55,26 +59,46 @@ GOODBYE = PRELUDE.pack(KIND_GOODBYE, 0, 0, 0)
 STAGING_SIZE = 256 * 1024
 DIRECT_MIN = 64 * 1024
 
-
 #: The default allocation of a message whose frames together are at most this
 #: large is one buffer, with each frame a 64-byte-aligned slice of it: one
 #: allocation instead of one per frame, for the many small RPC messages. The
 #: frames then keep each other's memory alive, which is bounded by this.
 SLAB_MAX = 64 * 1024
 
+# The same as C constants, for the per-message code below.
+cdef Py_ssize_t _STAGING_SIZE = STAGING_SIZE
+cdef Py_ssize_t _DIRECT_MIN = DIRECT_MIN
+cdef Py_ssize_t _SLAB_MAX = SLAB_MAX
+cdef Py_ssize_t _PRELUDE_SIZE = PRELUDE_SIZE
+cdef Py_ssize_t _ALIGNMENT = ALIGNMENT
+cdef Py_ssize_t _HANDSHAKE_SIZE = len(HANDSHAKE)
+cdef int _KIND_DATA = KIND_DATA
+cdef int _KIND_GOODBYE = KIND_GOODBYE
 
-def _slab_frames(infos: list[FrameInfo]) -> tuple[list[Any], list[memoryview]]:
-    offsets = []
-    size = 0
+
+cdef tuple _slab_frames(list infos):
+    """One aligned buffer for all the frames of a small message; the frames
+    (slices of it) and their views."""
+    cdef list offsets = []
+    cdef Py_ssize_t size = 0, nbytes
     for info in infos:
         offsets.append(size)
-        size += -(-info.nbytes // ALIGNMENT) * ALIGNMENT
+        nbytes = info.nbytes
+        size += (nbytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
     slab = host_empty(size)
-    frames = [slab[o : o + info.nbytes] for o, info in zip(offsets, infos, strict=True)]
+    cdef list frames = [slab[o : o + info.nbytes] for o, info in zip(offsets, infos)]
     return frames, [frame.data for frame in frames]
 
 
-def check_handshake(data: bytes | bytearray | memoryview) -> None:
+cdef inline void _copy_into(object target, Py_ssize_t at, const char* data, Py_ssize_t size):
+    """Copy ``size`` bytes to a writable byte buffer at ``at``."""
+    cdef unsigned char[::1] view
+    if size:
+        view = target
+        memcpy(&view[at], data, size)
+
+
+def check_handshake(data):
     """Refuse a peer that does not speak this protocol version.
 
     Raises:
@@ -89,17 +113,17 @@ def check_handshake(data: bytes | bytearray | memoryview) -> None:
         )
 
 
-def pack_header(sizes: Sequence[int], devices: Sequence[str] | None = None) -> bytes:
+def pack_header(sizes, devices=None):
     """The prelude and frame table that precede a message's frames
     (``devices`` None: all in host memory)."""
     if devices is None or all(d == "cpu" for d in devices):
         return encode_table(sizes)
-    return encode_table(sizes, bytes(DEVICE_CODES[d] for d in devices))
+    return encode_table(sizes, bytes([DEVICE_CODES[d] for d in devices]))
 
 
-def pack_one_frame(nbytes: int) -> bytes:
+def pack_one_frame(nbytes):
     """``pack_header([nbytes])``, the common case, at a fraction of the cost."""
-    return ONE_FRAME_WORDS.pack(ONE_DATA_PRELUDE, nbytes, 0)
+    return one_frame_header(nbytes)
 
 
 class Goodbye:
@@ -113,17 +137,14 @@ class Refused:
 
     __slots__ = ("error",)
 
-    def __init__(self, error: LimitExceededError) -> None:
+    def __init__(self, error):
         self.error = error
 
 
-class _State:
-    """The reader's states: plain ints, since an attribute of an Enum class
-    costs several times a plain one (EnumType.__getattr__), and
-    ``_process`` looks at the state for every message."""
-
-    HANDSHAKE = 1
-    PRELUDE = 2
+# The reader's states.
+cdef enum State:
+    HANDSHAKE_ = 1
+    PRELUDE_ = 2
     TABLE = 3
     ALLOCATE = 4
     FRAMES = 5
@@ -131,7 +152,7 @@ class _State:
     SKIP = 7
 
 
-class FrameReader:
+cdef class FrameReader:
     """Parses a byte stream into messages.
 
     After ``buffer_updated`` the caller looks at ``events`` (a deque of
@@ -146,153 +167,200 @@ class FrameReader:
         LimitExceededError: a message beyond ``limits``.
     """
 
-    def __init__(self, limits: Limits, *, handshake: bool = True) -> None:
+    cdef public object limits
+    cdef public object events
+    #: Skip a message beyond the limits (a Refused event) instead of
+    #: raising LimitExceededError, where its frame table was read.
+    cdef public bint skip_oversized
+    #: Allocate every small one-frame host message with the default
+    #: allocator as soon as it is whole in the read-ahead buffer, without
+    #: stopping at ``frames_announced`` (set by a driver whose consumer
+    #: would do just that: see ``StreamConnection.deliver_to``).
+    cdef public bint auto_allocate
+    #: With ``auto_allocate``: such a message's frame is a ``bytearray``
+    #: copy instead of an aligned NumPy array (see ``Connection.deliver_to``).
+    cdef public bint small_as_bytearray
+    #: Bytes of CUDA frames received into host memory and copied up.
+    cdef public Py_ssize_t staged_bytes
+    #: Set by the driver while its consumer asked for no more messages
+    #: (``Connection.pause_reading``): ``hand_out`` passes none.
+    cdef public bint paused
+    # While skipping: the refusal, its head frame being kept, and the
+    # bytes still to drop after it.
+    cdef object _refused
+    cdef Py_ssize_t _skip_left
+    # The read-ahead buffer, a view of it, and the unparsed bytes in it.
+    cdef bytearray _staging_bytes
+    cdef object _staging
+    cdef Py_ssize_t _start, _end
+    # A one-frame message up to this size passes every limit and fits one
+    # slab: _take_small may take it.
+    cdef Py_ssize_t _small_max
+    cdef State _state
+    # Whether the last get_buffer() was a frame's own buffer.
+    cdef bint _direct
+    # The buffer being filled (frame table or a frame) and how far.
+    cdef object _target
+    cdef Py_ssize_t _target_size, _pos
+    cdef list _infos
+    cdef Py_ssize_t _announced, _announced_bytes
+    cdef bint _slab
+    cdef list _frames
+    # A frame's view is None until it is allocated (_open_frame).
+    cdef list _views
+    cdef object _allocator
+    cdef dict _bounce
+    cdef Py_ssize_t _index
+
+    def __init__(self, limits, *, handshake=True):
         self.limits = limits
-        self.events: deque[list[Any] | Goodbye | Refused] = deque()
-        #: Skip a message beyond the limits (a Refused event) instead of
-        #: raising LimitExceededError, where its frame table was read.
+        self.events = deque()
         self.skip_oversized = False
-        #: Allocate every small one-frame host message with the default
-        #: allocator as soon as it is whole in the read-ahead buffer, without
-        #: stopping at ``frames_announced`` (set by a driver whose consumer
-        #: would do just that: see ``StreamConnection.deliver_to``).
         self.auto_allocate = False
-        #: With ``auto_allocate``: such a message's frame is a ``bytearray``
-        #: copy instead of an aligned NumPy array (see
-        #: ``Connection.deliver_to``).
         self.small_as_bytearray = False
-        # While skipping: the refusal, its head frame being kept, and the
-        # bytes still to drop after it.
-        self._refused: LimitExceededError | None = None
+        self.paused = False
+        self._refused = None
         self._skip_left = 0
-        #: Bytes of CUDA frames received into host memory and copied up.
         self.staged_bytes = 0
-        self._staging_bytes = bytearray(STAGING_SIZE)
+        self._staging_bytes = bytearray(_STAGING_SIZE)
         self._staging = memoryview(self._staging_bytes)
-        # A one-frame message up to this size passes every limit and fits
-        # one slab: _take_small may take it.
-        self._small_max = min(limits.max_frame_bytes, limits.max_message_bytes, SLAB_MAX)
+        self._small_max = min(limits.max_frame_bytes, limits.max_message_bytes, _SLAB_MAX)
         self._start = 0
         self._end = 0
-        self._state = _State.HANDSHAKE if handshake else _State.PRELUDE
+        self._state = HANDSHAKE_ if handshake else PRELUDE_
         self._direct = False
-        # The buffer being filled (frame table or a frame) and how far.
-        self._target: memoryview | None = None
-        self._pos = 0
-        self._infos: list[FrameInfo] = []
+        self._set_target(None)
+        self._infos = []
         self._announced = 0
         self._announced_bytes = 0
         self._slab = False
-        self._frames: list[Any] = []
-        # A frame's view is None until it is allocated (_open_frame).
-        self._views: list[memoryview | None] = []
-        self._allocator: Any = None
-        self._bounce: dict[int, Any] = {}
+        self._frames = []
+        self._views = []
+        self._allocator = None
+        self._bounce = {}
         self._index = 0
 
     @property
-    def frames_announced(self) -> list[FrameInfo] | None:
+    def frames_announced(self):
         """The next message's frames once its table arrived and before allocation."""
-        return self._infos if self._state == _State.ALLOCATE else None
+        return self._infos if self._state == ALLOCATE else None
 
     @property
-    def message_buffered(self) -> bool:
+    def message_buffered(self):
         """True when the announced message fits one slab and all of it is in
         the read-ahead buffer already: allocating it with the default
         allocator completes it at once, and holds no more memory than the
         read-ahead buffer did."""
         return (
-            self._state == _State.ALLOCATE
+            self._state == ALLOCATE
             and self._slab
             and self._end - self._start >= self._announced_bytes
         )
 
     @property
-    def awaiting_handshake(self) -> bool:
+    def awaiting_handshake(self):
         """True until the peer's handshake has arrived and checked out."""
-        return self._state == _State.HANDSHAKE
+        return self._state == HANDSHAKE_
 
     @property
-    def mid_message(self) -> bool:
+    def mid_message(self):
         """True when the stream stopped inside a message (EOF here is an error)."""
-        if self._state in (_State.TABLE, _State.ALLOCATE, _State.FRAMES, _State.SKIP):
+        if self._state in (TABLE, ALLOCATE, FRAMES, SKIP):
             return True
-        return self._state == _State.PRELUDE and self._end > self._start
+        return self._state == PRELUDE_ and self._end > self._start
 
-    def release(self) -> None:
+    def release(self):
         """Drop every buffer: the stream has ended. Frames of a message cut
-        short and the read-ahead buffer then go by reference counting, even
-        while something still refers to the reader (issue 21: a cycle kept
-        80 abandoned 4 MiB messages until the cycle collector ran)."""
-        self._state = _State.CLOSED
+        short, messages not handed out and the read-ahead buffer then go by
+        reference counting, even while something still refers to the reader
+        (issue 21: a cycle kept 80 abandoned 4 MiB messages until the cycle
+        collector ran)."""
+        self._state = CLOSED
+        self.events.clear()
         self._frames, self._views, self._infos = [], [], []
         self._allocator = None
         self._bounce = {}
-        self._target = None
+        self._set_target(None)
         self._refused = None
         self._staging = memoryview(b"")
         self._staging_bytes = bytearray()
         self._start = self._end = 0
 
-    def get_buffer(self) -> memoryview:
+    def hand_out(self, receiver, Py_ssize_t budget):
+        """Pass the messages at the front of ``events`` to ``receiver``, one
+        call each, up to ``budget`` of them; stop before an event that is not
+        a message (:class:`Goodbye`, :class:`Refused`), and once ``receiver``
+        has set ``paused`` or ended the stream (``release``). Returns how
+        many it passed.
+
+        What ``receiver`` raises propagates, its message counted as passed.
+        """
+        cdef Py_ssize_t handed = 0
+        events = self.events
+        while handed < budget and not self.paused and events and type(events[0]) is list:
+            handed += 1
+            receiver(events.popleft())
+        return handed
+
+    def get_buffer(self):
         """Where the next bytes from the stream should be written.
 
         Raises:
             TensorwireError: the next bytes are a frame's, and allocating it
                 failed (see ``_open_frame``).
         """
-        target = self._target
-        if target is None and self._state == _State.FRAMES and self._start == self._end:
+        cdef Py_ssize_t pending
+        if self._target is None and self._state == FRAMES and self._start == self._end:
             # The next bytes are the next frame's: allocate it, so that they
             # land in it straight away.
-            target = self._target = self._open_frame()
-            self._pos = 0
-        if target is not None and self._start == self._end:
-            remaining = len(target) - self._pos
-            if remaining >= DIRECT_MIN:
+            self._set_target(self._open_frame())
+        if self._target is not None and self._start == self._end:
+            if self._target_size - self._pos >= _DIRECT_MIN:
                 self._direct = True
-                return target[self._pos :]
+                return self._target[self._pos :]
         self._direct = False
         if self._start == self._end:
             self._start = self._end = 0
-        elif self._end == STAGING_SIZE:
+        elif self._end == _STAGING_SIZE:
             pending = self._end - self._start
             self._staging[:pending] = self._staging[self._start : self._end]
             self._start, self._end = 0, pending
         return self._staging[self._end :]
 
-    def buffer_updated(self, nbytes: int) -> None:
+    def buffer_updated(self, Py_ssize_t nbytes):
         """``nbytes`` were written into the last buffer from ``get_buffer``."""
         if self._direct:
             self._pos += nbytes
-            assert self._target is not None
-            if self._pos == len(self._target):
+            if self._pos == self._target_size:
                 self._target_done()
         else:
             self._end += nbytes
         self._process()
 
-    def allocate(self, allocator: Any) -> None:
+    def allocate(self, allocator):
         """Allocate the announced message's frames with ``allocator``."""
-        if self._state != _State.ALLOCATE:
+        cdef list infos, frames, views, slab_views
+        cdef Py_ssize_t start, size
+        cdef const char* staging
+        if self._state != ALLOCATE:
             raise RuntimeError("no message is waiting for allocation")
         infos = self._infos
-        views: list[memoryview | None]
         if allocator is default_allocator and self._slab:
             frames, slab_views = _slab_frames(infos)
             views = list(slab_views)
             if self._end - self._start >= self._announced_bytes:
                 # The whole message is already in the read-ahead buffer: copy
                 # it out in one pass (the common case for small RPC messages).
-                staging, start = self._staging, self._start
+                staging = PyByteArray_AS_STRING(self._staging_bytes)
+                start = self._start
                 for view in slab_views:
                     size = len(view)
-                    view[:] = staging[start : start + size]
+                    _copy_into(view, 0, staging + start, size)
                     start += size
                 self._start = start
                 self.events.append(frames)
                 self._infos = []
-                self._state = _State.PRELUDE
+                self._state = PRELUDE_
                 self._process()
                 return
         else:
@@ -304,18 +372,24 @@ class FrameReader:
         self._frames = frames
         self._views = views
         self._index = 0
-        self._state = _State.FRAMES
+        self._state = FRAMES
         self._next_frame()
         self._process()
 
-    def _open_frame(self) -> memoryview:
+    cdef inline void _set_target(self, target):
+        """Fill ``target`` (a writable byte view, or None: nothing) from its start."""
+        self._target = target
+        self._target_size = 0 if target is None else len(target)
+        self._pos = 0
+
+    cdef object _open_frame(self):
         """Allocate the frame whose bytes are due; its view to fill.
 
         Raises:
             TensorwireError: what the allocator raised, or TransportError
                 for anything else it raised or returned amiss.
         """
-        index = self._index
+        cdef Py_ssize_t index = self._index
         info = self._infos[index]
         try:
             buffer = self._allocator(info)
@@ -335,22 +409,22 @@ class FrameReader:
         self._views[index] = view
         return view
 
-    def _next_frame(self) -> None:
+    cdef _next_frame(self):
         views = self._views
         while self._index < len(views):
             view = views[self._index]
             if view is None:
                 if self._infos[self._index].nbytes:
-                    self._target = None  # opened once its bytes come (_process)
+                    self._set_target(None)  # opened once its bytes come (_process)
                     return
                 view = self._open_frame()  # empty: nothing to wait for
             if len(view):
-                self._target, self._pos = view, 0
+                self._set_target(view)
                 return
             self._index += 1
         self._finish_message()
 
-    def _finish_message(self) -> None:
+    cdef _finish_message(self):
         if self._bounce:
             from ._device import copy_host_to_device
 
@@ -361,33 +435,30 @@ class FrameReader:
         self.events.append(self._frames)
         self._frames, self._views, self._infos = [], [], []
         self._allocator = None
-        self._target = None
-        self._state = _State.PRELUDE
+        self._set_target(None)
+        self._state = PRELUDE_
 
-    def _target_done(self) -> None:
-        if self._state == _State.SKIP:
-            assert self._target is not None and self._refused is not None
-            self._refused.head = bytes(self._target)
-            self._target = None
+    cdef _target_done(self):
+        target = self._target
+        self._set_target(None)
+        if self._state == SKIP:
+            self._refused.head = bytes(target)
             self._report_refused()
-            return
-        if self._state == _State.TABLE:
-            assert self._target is not None
-            table = self._target
-            self._target = None
-            self._parse_table(table, self._announced)
+        elif self._state == TABLE:
+            self._parse_table(target, self._announced)
         else:
             self._index += 1
-            self._target = None
             self._next_frame()
 
-    def _parse_table(self, table: memoryview, nframes: int) -> None:
-        n = nframes
-        sizes, codes = decode_table(table, n)
-        all_host = codes.count(0) == n
+    cdef _parse_table(self, const unsigned char[::1] table, Py_ssize_t nframes):
+        cdef tuple sizes
+        cdef bytes codes
+        cdef Py_ssize_t i, total
+        sizes, codes = decode_sizes(table, nframes, 0)
+        cdef bint all_host = codes.count(0) == nframes
         if not all_host:
-            for index, code in enumerate(codes):
-                device_name(code, index)
+            for i in range(nframes):
+                device_name(codes[i], i)
         try:
             check_limits(sizes, self.limits)
         except LimitExceededError as exc:
@@ -397,43 +468,37 @@ class FrameReader:
             return
         # Known here already: whether the default allocation is one slab.
         self._announced_bytes = total = sum(sizes)
-        self._slab = all_host and total <= SLAB_MAX
+        self._slab = all_host and total <= _SLAB_MAX
         if all_host:
-            self._infos = [FrameInfo(i, size) for i, size in enumerate(sizes)]
+            self._infos = [FrameInfo(i, sizes[i]) for i in range(nframes)]
         else:
-            self._infos = [
-                FrameInfo(i, size, device_name(code, i))
-                for i, (size, code) in enumerate(zip(sizes, codes, strict=True))
-            ]
-        self._state = _State.ALLOCATE
+            self._infos = [FrameInfo(i, sizes[i], device_name(codes[i], i))
+                           for i in range(nframes)]
+        self._state = ALLOCATE
 
-    def _skip(self, error: LimitExceededError, sizes: Sequence[int]) -> None:
+    cdef _skip(self, error, tuple sizes):
         """Drop the announced message's bytes; keep its first frame if small."""
         head = refused_head(sizes, self.limits)
         self._refused = error
         self._skip_left = sum(sizes) - (head or 0)
-        self._state = _State.SKIP
+        self._state = SKIP
         if head:
-            self._target, self._pos = memoryview(bytearray(head)), 0
+            self._set_target(memoryview(bytearray(head)))
         else:
             if head == 0:
                 error.head = b""
             self._report_refused()
 
-    def _report_refused(self) -> None:
+    cdef _report_refused(self):
         """The refusal is known (and its head kept): report it now, not
         after the skipped bytes, which may never come (a peer announcing
         2**40 bytes before its hello is then dropped at once)."""
         error, self._refused = self._refused, None
-        assert error is not None
         self.events.append(Refused(error))
-        self._skip_done()
-
-    def _skip_done(self) -> None:
         if not self._skip_left:
-            self._state = _State.PRELUDE
+            self._state = PRELUDE_
 
-    def _take_small(self) -> bool:
+    cdef bint _take_small(self) except -1:
         """Take every small message of one frame already whole in the
         read-ahead buffer, up to the first other one; True: took some.
 
@@ -442,96 +507,101 @@ class FrameReader:
         table), a fraction of the work, and one call for all the messages
         one read brought.
         """
-        data, staging = self._staging_bytes, self._staging
-        start = first = self._start
-        end = self._end
-        limit = self._small_max
+        cdef const char* data = PyByteArray_AS_STRING(self._staging_bytes)
+        cdef const unsigned char* word
+        cdef Py_ssize_t start = self._start, first = self._start, end = self._end
+        cdef uint64_t size
         events = self.events
-        as_bytearray = self.small_as_bytearray
-        while end - start >= ONE_FRAME_SIZE:
-            prelude, size, code = ONE_FRAME_WORDS.unpack_from(data, start)
-            if (prelude != ONE_DATA_PRELUDE or code or size > limit
-                    or end - start - ONE_FRAME_SIZE < size):
+        while end - start >= ONE_FRAME_HEADER_SIZE:
+            word = <const unsigned char*>data + start
+            size = load_u64le(word + 8)
+            if (load_u64le(word) != ONE_DATA_PRELUDE_WORD or load_u64le(word + 16) != 0
+                    or size > <uint64_t>self._small_max
+                    or <uint64_t>(end - start - ONE_FRAME_HEADER_SIZE) < size):
                 break
-            start += ONE_FRAME_SIZE
-            if as_bytearray:
-                events.append([data[start : start + size]])
+            start += ONE_FRAME_HEADER_SIZE
+            if self.small_as_bytearray:
+                events.append([PyByteArray_FromStringAndSize(data + start, size)])
             else:
                 frame = host_empty(size)
-                frame.data[:] = staging[start : start + size]
+                _copy_into(frame, 0, data + start, size)
                 events.append([frame])
             start += size
         self._start = start
         return start != first
 
-    def _process(self) -> None:
-        staging = self._staging
+    cdef _process(self):
+        cdef Py_ssize_t avail, take, size, nframes
+        cdef State state
+        cdef const unsigned char* data
         while True:
             avail = self._end - self._start
             state = self._state
-            if state == _State.SKIP and self._target is None:
+            if state == SKIP and self._target is None:
                 if not avail:
                     return
                 take = min(avail, self._skip_left)
                 self._start += take
                 self._skip_left -= take
-                self._skip_done()
+                if not self._skip_left:
+                    self._state = PRELUDE_
                 continue
             if self._target is not None:
                 if not avail:
                     return
-                take = min(avail, len(self._target) - self._pos)
-                self._target[self._pos : self._pos + take] = staging[
-                    self._start : self._start + take
-                ]
+                take = min(avail, self._target_size - self._pos)
+                _copy_into(self._target, self._pos,
+                           PyByteArray_AS_STRING(self._staging_bytes) + self._start, take)
                 self._start += take
                 self._pos += take
-                if self._pos == len(self._target):
+                if self._pos == self._target_size:
                     self._target_done()
                 continue
-            if state == _State.PRELUDE:
-                if avail < PRELUDE_SIZE:
+            if state == PRELUDE_:
+                if avail < _PRELUDE_SIZE:
                     return
                 if self.auto_allocate and self._take_small():
                     continue
-                kind, reserved1, reserved2, nframes = PRELUDE.unpack_from(staging, self._start)
-                if reserved1 or reserved2:
+                data = <const unsigned char*>PyByteArray_AS_STRING(self._staging_bytes)
+                data += self._start
+                # u8 kind | u8 reserved | u16 reserved | u32 nframes
+                if data[1] or data[2] or data[3]:
                     raise ProtocolError("nonzero reserved bytes in message prelude")
-                self._start += PRELUDE_SIZE
-                if kind == KIND_GOODBYE:
-                    self._state = _State.CLOSED
+                nframes = data[4] | data[5] << 8 | data[6] << 16 | <Py_ssize_t>data[7] << 24
+                self._start += _PRELUDE_SIZE
+                if data[0] == _KIND_GOODBYE:
+                    self._state = CLOSED
                     self.events.append(Goodbye())
                     return
-                if kind != KIND_DATA:
-                    raise ProtocolError(f"unknown message kind {kind}")
+                if data[0] != _KIND_DATA:
+                    raise ProtocolError(f"unknown message kind {data[0]}")
                 if nframes == 0:
                     self.events.append([])
                     continue
                 check_frame_count(nframes, self.limits)
                 self._announced = nframes
                 size = table_size(nframes)
-                if avail - PRELUDE_SIZE >= size:
+                if avail - _PRELUDE_SIZE >= size:
                     # The common case: the whole table is already here.
-                    table = staging[self._start : self._start + size]
+                    table = self._staging[self._start : self._start + size]
                     self._start += size
                     self._parse_table(table, nframes)
-                    if self._state != _State.ALLOCATE:
+                    if self._state != ALLOCATE:
                         continue  # refused: skipping, or skipped already
                     return
-                self._target = memoryview(bytearray(size))
-                self._pos = 0
-                self._state = _State.TABLE
-            elif state == _State.FRAMES:
+                self._set_target(memoryview(bytearray(size)))
+                self._state = TABLE
+            elif state == FRAMES:
                 # The next frame's first bytes are here: allocate it now.
                 if not avail:
                     return
-                self._target, self._pos = self._open_frame(), 0
-            elif state == _State.HANDSHAKE:
-                if avail < len(HANDSHAKE):
+                self._set_target(self._open_frame())
+            elif state == HANDSHAKE_:
+                if avail < _HANDSHAKE_SIZE:
                     return
-                check_handshake(staging[self._start : self._start + len(HANDSHAKE)])
-                self._start += len(HANDSHAKE)
-                self._state = _State.PRELUDE
+                check_handshake(self._staging[self._start : self._start + _HANDSHAKE_SIZE])
+                self._start += _HANDSHAKE_SIZE
+                self._state = PRELUDE_
             else:
                 # ALLOCATE waits for the receiver; CLOSED ignores the rest.
                 return
