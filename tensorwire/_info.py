@@ -259,7 +259,7 @@ def format_text(info: dict[str, Any]) -> str:
               f"executable: {info['executable']}"]
     core = info["compiled_core"]
     lines.append("compiled core: " + ("loaded" if core["loaded"] else "NOT LOADED"))
-    lines += [f"  {name:<34} {where}" for name, where in core["modules"].items()]
+    lines += [f"  {name:<40} {where}" for name, where in core["modules"].items()]
     lines.append("transports:")
     for scheme, state in info["transports"].items():
         mark = "yes" if state["usable"] else "no "

@@ -135,22 +135,34 @@ def test_pip_check_is_clean_with_torch_and_the_matching_ucx_extra() -> None:
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_the_wheel_holds_the_demo_license_and_extras(tmp_path: Path) -> None:
-    # Built from a copy: a build leaves build/ and *.egg-info where it runs.
+def test_the_wheel_holds_the_compiled_core_the_demo_license_and_extras(tmp_path: Path) -> None:
+    # `python -m build` as a packager runs it: the sdist first, then the
+    # wheel from the sdist, so the sdist must carry the Cython sources. From
+    # a copy without what a build left in the tree (build/, *.egg-info, the
+    # extensions an editable install built in place).
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
         ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
-        ".hypothesis"))
+        ".hypothesis", "*.so", "*.c", ".whl"))
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--quiet", "--wheel-dir", str(tmp_path), str(source)],
-        capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr
-    (wheel,) = tmp_path.glob("tensorwire-*.whl")
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path / "dist"),
+         str(source)],
+        capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("tensorwire-*.whl")
+    assert "-linux_" in wheel.name or "manylinux" in wheel.name  # not py3-none-any
+    from tensorwire import _compiled
+
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         text = archive.read(metadata).decode()
+    compiled = {n for n in names if n.endswith(".so")}
+    assert _compiled.MODULES
+    for module in _compiled.MODULES:
+        stem = module.replace(".", "/")
+        assert any(n.startswith(stem + ".cpython-") for n in compiled), (module, compiled)
+        assert f"{stem}.pyi" in names  # mypy checks the callers
     assert "tensorwire/demo.py" in names and "tensorwire/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "License-Expression: Apache-2.0" in text
