@@ -44,7 +44,12 @@ def test_info() -> None:
     facts = json.loads(run("info", "--json").stdout)
     assert facts["versions"]["tensorwire"]
     assert facts["transports"]["tcp"]["usable"] is True
-    assert set(facts) >= {"versions", "transports", "ucx", "gpus"}
+    assert set(facts) >= {"versions", "transports", "ucx", "gpus", "compiled_core"}
+    # The compiled core is not optional: info names each module's built file.
+    core = facts["compiled_core"]
+    assert core["loaded"] is True, core
+    assert all(where.endswith(".so") for where in core["modules"].values()), core
+    assert "compiled core: loaded" in result.stdout
 
 
 def test_info_for_a_bug_report(tmp_path: Path) -> None:
