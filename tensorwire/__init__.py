@@ -4,10 +4,14 @@
 torch are imported when an address or a tensor needs them.
 """
 
-from . import collective, errors, ps, rpc, serde, transports
-from ._version import __version__
-from .errors import RemoteError, TensorwireError
-from .rpc import Client, ClientConfig, Server, ServerConfig, connect
+from . import _compiled
+
+_compiled.require()
+
+from . import collective, errors, ps, rpc, serde, transports  # noqa: E402
+from ._version import __version__  # noqa: E402
+from .errors import RemoteError, TensorwireError  # noqa: E402
+from .rpc import Client, ClientConfig, Server, ServerConfig, connect  # noqa: E402
 
 __all__ = (
     "Client",

@@ -10,9 +10,11 @@ to build it; this module only reports.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+from pathlib import Path
 from typing import Any
 
-__all__ = ("MODULES", "status")
+__all__ = ("MODULES", "require", "status")
 
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
 MODULES: tuple[str, ...] = (
@@ -20,6 +22,28 @@ MODULES: tuple[str, ...] = (
     "tensorwire.transports._stream_framing",
     "tensorwire.transports._stream_writes",
 )
+
+
+def require() -> None:
+    """Check that every compiled module was built, before anything imports one.
+
+    Raises:
+        ImportError: one is missing (a source tree used without
+            ``pip install -e .``, or a build without a C compiler), naming it
+            and how to build it, instead of the bare ModuleNotFoundError deep
+            inside the package that the first import would give.
+    """
+    # By file, without importing: finding a submodule's spec would import its
+    # package, which imports the compiled module itself.
+    root = Path(__file__).parent
+    missing = [name for name in MODULES
+               if not any(root.joinpath(*name.split(".")[1:]).with_suffix(suffix).exists()
+                          for suffix in importlib.machinery.EXTENSION_SUFFIXES)]
+    if missing:
+        raise ImportError(
+            f"tensorwire's compiled core is not built here (missing: {', '.join(missing)}): "
+            "build it with `pip install -e .` (or `python setup.py build_ext --inplace`) "
+            "from the source tree; it needs a C compiler and the Python headers")
 
 
 def status() -> dict[str, Any]:

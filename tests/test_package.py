@@ -182,3 +182,16 @@ def test_torch_integration_without_torch_says_what_is_missing() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, timeout=60)
     assert "tensorwire.torch needs PyTorch" in out.stdout
+
+
+def test_a_tree_without_its_compiled_core_says_how_to_build_it(tmp_path: Path) -> None:
+    # A source tree used as it is, before `pip install -e .` built the core.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "tensorwire", source / "tensorwire",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    done = subprocess.run([sys.executable, "-c", "import tensorwire"], cwd=source,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: tensorwire's compiled core is not built here"), last
+    assert "pip install -e ." in last and "tensorwire.transports._frame_table" in last
