@@ -15,7 +15,9 @@ from typing import Any
 __all__ = ("MODULES", "status")
 
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = (
+    "tensorwire.rpc._wire",
+)
 
 
 def status() -> dict[str, Any]:
