@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
-__all__ = ("HISTOGRAM_EDGES", "MethodMetrics", "Metrics")
+if TYPE_CHECKING:
+    from .timeline import Timeline
+
+__all__ = ("HISTOGRAM_EDGES", "MethodMetrics", "Metrics", "record_call")
 
 _PER_DECADE = 16
 _LOW = 1e-6
@@ -113,3 +117,13 @@ class Metrics(dict[str, MethodMetrics]):
         """``{method: {calls, errors, bytes_in, bytes_out, p50, p90, p99, seconds,
         histogram}}``."""
         return {name: m.snapshot() for name, m in sorted(self.items())}
+
+
+def record_call(metrics: MethodMetrics, timeline: Timeline | None, name: str, category: str,
+                started: float, error: bool, **args: Any) -> None:
+    """Count a call (or operation) that began at ``started`` (a
+    ``time.perf_counter()`` reading) and has just ended in ``metrics``, and
+    add its span to ``timeline`` when there is one."""
+    metrics.observe(time.perf_counter() - started, error)
+    if timeline is not None:
+        timeline.add_since(name, category, started, error=error, **args)

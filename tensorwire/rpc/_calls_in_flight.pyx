@@ -1,0 +1,153 @@
+# cython: language_level=3
+"""The client's calls in flight on one connection, compiled: call id -> what
+waits for the answer, the REQUEST that starts a call, the RESPONSE that
+resolves it, and the calls' deadlines on one loop timer.
+
+A plain unary call waits on a bare future, resolved here with
+``(message, nbytes)``. Any other waiter (a stream's record, see
+``client._Pending``) has a ``future`` and a ``fail(error)`` and gets its
+messages from the session's ``on_other``, as does every message that is
+not a RESPONSE.
+"""
+
+from heapq import heapify, heappop, heappush
+
+from ..errors import DeadlineExceeded
+from . import protocol
+from ._wire import encode_request
+
+cdef object _Response = protocol.Response
+
+#: The longest timeout a request carries: a longer one, infinity included,
+#: is this (half the protocol's bound: "no deadline" for any practical use).
+LONGEST = protocol.MAX_TIMEOUT / 2
+cdef double _LONGEST = LONGEST
+
+
+cdef inline void _fail(object future, object error) except *:
+    if not future.done():
+        future.set_exception(error)
+        future.exception()  # retrieved: a stream may never look at it
+
+
+cdef class CallsInFlight:
+    """The calls in flight on one client connection (see the module)."""
+
+    cdef readonly dict pending
+    cdef object _loop
+    cdef object _future_type
+    cdef object _on_other
+    cdef unsigned long long _last_id
+    # Deadlines as a heap of (when, call id), with one loop timer for the
+    # earliest instead of one per call (a timer costs several times a heap
+    # push). Entries of calls that ended stay until the heap grows past
+    # _compact_at.
+    cdef readonly list deadlines
+    cdef Py_ssize_t _compact_at
+    cdef double _timer_at
+    cdef object _timer
+
+    def __init__(self, loop, on_other):
+        self.pending = {}
+        self._loop = loop
+        self._future_type = type(loop.create_future())
+        self._on_other = on_other
+        self.deadlines = []
+        self._compact_at = 64
+        self._timer_at = float("inf")
+
+    cpdef unsigned long long add(self, object waiter, double expires) except? 0:
+        """Register ``waiter`` under a new call id, to fail with TimeoutError
+        at ``expires`` (loop time) unless it has ended by then."""
+        self._last_id += 1
+        cdef unsigned long long call_id = self._last_id
+        self.pending[call_id] = waiter
+        heappush(self.deadlines, (expires, call_id))
+        if len(self.deadlines) > self._compact_at:
+            self._compact()
+        if expires < self._timer_at:
+            self._arm(expires)
+        return call_id
+
+    cpdef unsigned long long request(self, object driver, str method, double deadline,
+                                     int stream_arg, list payload, object waiter,
+                                     object metrics, double grace) except? 0:
+        """Register ``waiter`` and post the call's REQUEST with the time
+        left until ``deadline`` (loop time); the waiter fails at
+        ``deadline + grace``. Returns the call id.
+
+        Raises:
+            DeadlineExceeded: no time is left (the call is not sent: a
+                handler that cannot suspend would still run, and answer
+                after the deadline).
+            Unavailable: the connection is gone.
+        """
+        cdef double remaining = deadline - self._loop.time()
+        if remaining <= 0.0:
+            raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent")
+        cdef unsigned long long call_id = self.add(waiter, deadline + grace)
+        try:
+            metrics.bytes_out += driver.post_frames(encode_request(
+                call_id, method, min(remaining, _LONGEST), stream_arg, payload))
+        except BaseException:
+            del self.pending[call_id]
+            raise
+        return call_id
+
+    cpdef object discard(self, unsigned long long call_id):
+        """Forget a call (it ended); returns its waiter, or None."""
+        return self.pending.pop(call_id, None)
+
+    def on_message(self, message, Py_ssize_t nbytes):
+        """A message from the server: a RESPONSE resolves its call's future
+        here; everything else goes to ``on_other``."""
+        if type(message) is _Response:
+            waiter = self.pending.get(message.call_id)
+            if waiter is None:
+                return  # the call ended already (cancelled, timed out)
+            if type(waiter) is self._future_type:
+                if not waiter.done():
+                    waiter.set_result((message, nbytes))
+                return
+        self._on_other(message, nbytes)
+
+    def fail_all(self, error):
+        """The connection is gone: every call fails with ``error``."""
+        for waiter in list(self.pending.values()):
+            if type(waiter) is self._future_type:
+                _fail(waiter, error)
+            else:
+                waiter.fail(error)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = float("inf")
+        self.deadlines.clear()
+
+    cdef void _compact(self) except *:
+        """Drop the deadlines of calls that ended."""
+        pending = self.pending
+        self.deadlines = [entry for entry in self.deadlines if entry[1] in pending]
+        heapify(self.deadlines)
+        self._compact_at = 2 * len(self.deadlines) + 64
+
+    cdef void _arm(self, double when) except *:
+        """Wake up at ``when`` to expire the calls due then."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_at(when, self._expire_due)
+
+    def _expire_due(self):
+        self._timer = None
+        self._timer_at = float("inf")
+        heap = self.deadlines
+        now = self._loop.time()
+        while heap and heap[0][0] <= now:
+            waiter = self.pending.get(heappop(heap)[1])
+            if waiter is not None:
+                # The deadline passed: end the wait.
+                _fail(waiter if type(waiter) is self._future_type else waiter.future,
+                      TimeoutError())
+        if heap:
+            self._arm(heap[0][0])
