@@ -14,11 +14,7 @@ class Slots:
 
     ``asyncio.Semaphore`` costs a coroutine, a context manager and a scan of
     its waiters on every acquire; here an uncontended ``try_acquire()`` is
-    one method call, which matters on a path run for every call. The RPC's
-    per-call paths inline even that, reading ``free`` and ``waiters``:
-    ``if slots.free > 0 and not slots.waiters: slots.free -= 1`` is
-    ``try_acquire()``, and ``if slots.waiters: slots.release()`` else
-    ``slots.free += 1`` is ``release()``.
+    one method call, which matters on a path run for every call.
     """
 
     __slots__ = ("_loop", "free", "waiters")

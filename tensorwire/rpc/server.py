@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import dis
 import inspect
@@ -15,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from .. import serde
-from .._counters import MethodMetrics, Metrics
+from .._counters import MethodMetrics, Metrics, record_call
 from ..errors import (
     ConfigError,
     ConnectionClosedError,
@@ -32,6 +31,7 @@ from ..errors import (
     Unavailable,
 )
 from ..transports import Connection, Listener, listen
+from ..transports._eager import start_eagerly
 from . import protocol
 from ._connection_driver import ConnectionDriver
 from ._slots import Slots
@@ -297,17 +297,18 @@ class _ServerSession:
         try:
             await self._done.wait()
         finally:
-            for call in list(self.calls.values()):
-                call.task.cancel()
-            await asyncio.gather(*(c.task for c in list(self.calls.values())),
-                                 return_exceptions=True)
+            tasks = self.call_tasks()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.driver.close()
 
     def stop_new_calls(self) -> None:
         self._accepting = False
 
     def call_tasks(self) -> list[asyncio.Task[None]]:
-        return [call.task for call in self.calls.values()]
+        # Only calls that run in a task of their own are kept (_Call.start).
+        return [call.task for call in self.calls.values() if call.task is not None]
 
     async def close(self) -> None:
         self._done.set()
@@ -328,7 +329,7 @@ class _ServerSession:
                 # The client freed its slot already: stop counting the call
                 # now, not when its handler has finished cleaning up.
                 self.calls.pop(message.call_id, None)
-                call.task.cancel()
+                call.cancel()
         elif isinstance(message, protocol.Item | protocol.End):
             # Late items for a call that already ended are dropped.
             if call is not None and call.instream is not None:
@@ -354,7 +355,7 @@ class _ServerSession:
         elif isinstance(message, protocol.Item):
             call = self.calls.pop(message.call_id, None)
             if call is not None:
-                call.task.cancel()
+                call.cancel()
                 exhausted = ResourceExhausted(
                     f"a stream item is beyond this server's limits: {error}")
                 self.driver.send_soon(_error_message(message.call_id, exhausted))
@@ -374,70 +375,7 @@ class _ServerSession:
             )
             self.driver.send_soon(_error_message(call_id, error))
             return
-        handler = self._handlers.get(request.method)
-        slots = self._slots
-        if (handler is not None and handler.inline and request.stream_arg < 0
-                and slots.free > 0 and not slots.waiters):  # slots.try_acquire(), inlined
-            slots.free -= 1
-            self._run_inline(handler, request, nbytes, slots)
-            return
-        call = _Call(self, request, nbytes)
-        self.calls[call_id] = call
-        call.task.add_done_callback(call.forget)
-
-
-    def _run_inline(self, handler: _Handler, request: protocol.Request, nbytes: int,
-                    slots: Slots) -> None:
-        """Run a handler that cannot suspend, here and now (see ``_Handler``)."""
-        started = time.perf_counter()
-        metrics = handler.metrics
-        metrics.bytes_in += nbytes
-        failed = True
-        reply: list[Any] | None  # its frames
-        try:
-            try:
-                args, kwargs = _unpack_arguments(request, handler, self._decoder)
-                try:  # _check_arguments, inlined
-                    handler.check(args, kwargs)
-                except TypeError as exc:
-                    raise _invalid_arguments(handler, exc) from None
-                # Without an empty keyword dict copied into the call.
-                coro = handler.func(*args, **kwargs) if kwargs else handler.func(*args)
-                try:
-                    # A context of its own, as a task would have.
-                    contextvars.copy_context().run(coro.send, None)
-                except StopIteration as stop:
-                    result = stop.value
-                else:
-                    coro.close()
-                    raise RuntimeError(f"{handler.name} suspended, though it has no await")
-                try:  # _encode(), inlined
-                    header, buffers = self._encoder.encode(result)
-                except serde.EncodeError as exc:
-                    raise _unencodable(handler.name, exc) from None
-                reply = protocol.encode_response(request.call_id, [header, *buffers])
-                failed = False
-            finally:
-                if slots.waiters:  # release(), inlined
-                    slots.release()
-                else:
-                    slots.free += 1
-        except asyncio.CancelledError:
-            reply = None  # a handler that cancels itself gets no reply, as in a task
-        except Exception as exc:
-            if not isinstance(exc, RemoteError):
-                logger.debug("%s raised", request.method, exc_info=exc)
-            reply = protocol.encode(_error_message(request.call_id, exc))
-        finally:
-            metrics.observe(time.perf_counter() - started, failed)
-            if self._timeline is not None:
-                self._timeline.add_since(request.method, "rpc.server", started, error=failed)
-        if reply is not None:
-            # Not contextlib.suppress: three Python calls more, every call.
-            try:  # noqa: SIM105
-                metrics.bytes_out += self.driver.post_frames(reply)
-            except Unavailable:
-                pass  # the connection is gone: nobody to answer
+        _Call(self, request, nbytes).start(self._handlers.get(request.method))
 
 
 class _InStream:
@@ -588,17 +526,43 @@ class _Call:
         # The session's loop, not get_running_loop(): on Python 3.11 that asks
         # the OS for the pid every time, and this runs for every call.
         self._loop = session.driver.loop
-        self.task = self._loop.create_task(self._run())
+        # Set by start() when the call goes on in a task of its own.
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self, handler: _Handler | None) -> None:
+        """Run the call: at once, to its end, when its handler cannot
+        suspend (no task, no deadline timer, no entry among the session's
+        calls in flight: ``_Handler.inline``); else in a task of its own,
+        which a CANCEL or the deadline cancels."""
+        if handler is not None and handler.inline and self.request.stream_arg < 0:
+            try:
+                # A context of its own, as a task would have.
+                task = contextvars.copy_context().run(start_eagerly, self._run(handler))
+            except asyncio.CancelledError:
+                return  # a handler that cancels itself gets no reply, as in a task
+            if task is None:
+                return  # the usual case: answered already
+            # It waited for one of the server's slots.
+            assert isinstance(task, asyncio.Task)
+        else:
+            task = self._loop.create_task(self._run(handler))
+        self.task = task
+        self.session.calls[self.call_id] = self
+        task.add_done_callback(self.forget)
 
     def grant(self, count: int) -> None:
         self._credit += max(0, count)
         if self._credit_event is not None:
             self._credit_event.set()
 
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
     def _expire(self) -> None:
         self._expired = True
         self.forget()
-        self.task.cancel()
+        self.cancel()
 
     def forget(self, _: object = None) -> None:
         """Stop counting this call against the connection's limit."""
@@ -615,37 +579,37 @@ class _Call:
         if self.metrics is not None:
             self.metrics.bytes_out += sent
 
-    async def _run(self) -> None:
-        server = self.session.server
+    async def _run(self, handler: _Handler | None) -> None:
+        """The one path of every call: arguments, the handler, its answer
+        (RESPONSE, stream items, or ERROR), metrics and the timeline."""
         request = self.request
+        slots = self.session._slots
         started = time.perf_counter()
         failed = True
-        reply: protocol.Message | None = None
+        reply: list[Any] | None = None  # its frames
         try:
-            handler = server._handler(request.method)
+            if handler is None:
+                handler = self.session.server._handler(request.method)  # raises NotFound
             self.metrics = handler.metrics
-            self.count_in(self.request_bytes)
-            slots = server._slots
-            assert slots is not None
+            self.metrics.bytes_in += self.request_bytes
             if not slots.try_acquire():
                 await slots.acquire()
             try:
                 args, kwargs = self._arguments(handler)
-                # A timer on the loop rather than asyncio.timeout(): this runs
-                # for every call, and the timer is a fraction of the cost.
+                # A timer on the loop rather than asyncio.timeout(): cheaper,
+                # and a handler that cannot suspend needs none.
                 timer = None
-                if request.timeout is not None:
+                if request.timeout is not None and not handler.inline:
                     timer = self._loop.call_later(request.timeout, self._expire)
                 try:
                     if handler.info.streaming:
                         await self._stream(handler, args, kwargs)
                     else:
                         result = await handler.func(*args, **kwargs)
-                        encoder = self.session._encoder
-                        reply = protocol.Response(self.call_id,
-                                                  _encode(result, handler.name, encoder))
+                        reply = protocol.encode_response(
+                            self.call_id, _encode(result, handler.name, self.session._encoder))
                 except asyncio.CancelledError:
-                    if not self._expired or self.task.uncancel() > 0:
+                    if not self._expired or self.task is None or self.task.uncancel() > 0:
                         raise
                     raise DeadlineExceeded(
                         f"{request.method} did not finish within its deadline "
@@ -663,22 +627,22 @@ class _Call:
         except Exception as exc:
             if not isinstance(exc, RemoteError):
                 logger.debug("%s raised", request.method, exc_info=exc)
-            reply = _error_message(self.call_id, exc)
+            reply = protocol.encode(_error_message(self.call_id, exc))
         finally:
             if self.metrics is not None:
-                self.metrics.observe(time.perf_counter() - started, failed)
-            timeline = self.session._timeline
-            if timeline is not None:
-                timeline.add_since(self.request.method, "rpc.server", started, error=failed)
+                record_call(self.metrics, self.session._timeline, request.method, "rpc.server",
+                            started, failed)
         # The call's slot is free, and its metrics complete, before the
         # client has its answer and may send the next call.
         self.forget()
-        if reply is not None:
-            # Queued without waiting: the reply holds its own frames.
-            with contextlib.suppress(Unavailable):
-                sent = self.session.driver.post(reply)
-                if self.metrics is not None:
-                    self.metrics.bytes_out += sent
+        if reply is None:
+            return
+        try:
+            sent = self.session.driver.post_frames(reply)
+        except Unavailable:
+            return  # the connection is gone: nobody to answer
+        if self.metrics is not None:
+            self.metrics.bytes_out += sent
 
     def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
         args, kwargs = _unpack_arguments(self.request, handler, self.session._decoder)
