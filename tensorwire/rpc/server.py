@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dis
 import inspect
 import logging
-import time
-import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from .. import serde
-from .._counters import MethodMetrics, Metrics, record_call
+from .._counters import MethodMetrics, Metrics
 from ..errors import (
     ConfigError,
     ConnectionClosedError,
-    DeadlineExceeded,
-    Internal,
     InvalidArgument,
     LimitExceededError,
     NotFound,
@@ -31,9 +26,17 @@ from ..errors import (
     Unavailable,
 )
 from ..transports import Connection, Listener, listen
-from ..transports._eager import start_eagerly
 from . import protocol
 from ._connection_driver import ConnectionDriver
+from ._dispatch import (
+    check_arguments,
+    error_message,
+    start_call,
+    unpack_arguments,
+)
+from ._dispatch import (
+    encode_value as _encode,
+)
 from ._slots import Slots
 from .config import ServerConfig
 from .service import (
@@ -351,14 +354,14 @@ class _ServerSession:
                 handler.metrics.observe(0.0, True)
             exhausted = ResourceExhausted(
                 f"the request to {message.method} is beyond this server's limits: {error}")
-            self.driver.send_soon(_error_message(message.call_id, exhausted))
+            self.driver.send_soon(error_message(message.call_id, exhausted))
         elif isinstance(message, protocol.Item):
             call = self.calls.pop(message.call_id, None)
             if call is not None:
                 call.cancel()
                 exhausted = ResourceExhausted(
                     f"a stream item is beyond this server's limits: {error}")
-                self.driver.send_soon(_error_message(message.call_id, exhausted))
+                self.driver.send_soon(error_message(message.call_id, exhausted))
         else:
             # No call to blame: the connection cannot go on sensibly.
             raise error
@@ -373,9 +376,9 @@ class _ServerSession:
                 Unavailable("the server is shutting down") if not self._accepting
                 else ResourceExhausted(f"more than {self._limit} calls in flight on one connection")
             )
-            self.driver.send_soon(_error_message(call_id, error))
+            self.driver.send_soon(error_message(call_id, error))
             return
-        _Call(self, request, nbytes).start(self._handlers.get(request.method))
+        start_call(_Call(self, request, nbytes), self._handlers.get(request.method))
 
 
 class _InStream:
@@ -421,46 +424,6 @@ class _InStream:
         return _decode(message.value, "stream item", self._call.session._decoder)
 
 
-def _unpack_arguments(
-    request: protocol.Request, handler: _Handler, decoder: serde.Decoder
-) -> tuple[list[Any], dict[str, Any]]:
-    frames = request.value
-    try:
-        # Without an empty list of buffers: most requests are one frame.
-        value = (decoder.decode(frames[0]) if len(frames) == 1
-                 else decoder.decode(frames[0], frames[1:]))
-    except serde.DecodeError as exc:
-        raise InvalidArgument(f"the arguments of {handler.name} do not decode: {exc}") from None
-    if type(value) is list and len(value) == 2:
-        # What our client sends, checked without isinstance calls.
-        args, kwargs = value
-        if type(args) is list and type(kwargs) is dict:
-            return args, kwargs
-    # isinstance with a tuple of types: a union (list | tuple) is built anew
-    # on every call.
-    if (
-        not isinstance(value, (list, tuple))
-        or len(value) != 2
-        or not isinstance(value[0], (list, tuple))
-        or not isinstance(value[1], dict)
-    ):
-        raise InvalidArgument("a request's value must be [args, kwargs]")
-    args = value[0]
-    return args if type(args) is list else list(args), value[1]
-
-
-def _check_arguments(handler: _Handler, args: list[Any], kwargs: dict[str, Any]) -> None:
-    try:
-        handler.check(args, kwargs)
-    except TypeError as exc:
-        raise _invalid_arguments(handler, exc) from None
-
-
-def _invalid_arguments(handler: _Handler, error: TypeError) -> InvalidArgument:
-    shown = signature_text(handler.info.signature)
-    return InvalidArgument(f"arguments do not fit {handler.name}{shown}: {error}")
-
-
 def _never_suspends(func: Callable[..., Any]) -> bool:
     """True for a coroutine function whose body has no ``await``, ``async
     with`` or ``async for``: every suspension point compiles to YIELD_VALUE."""
@@ -475,39 +438,6 @@ def _decode(frames: list[Any], what: str, decoder: serde.Decoder) -> Any:
         return decoder.decode(frames[0], frames[1:])
     except serde.DecodeError as exc:
         raise InvalidArgument(f"{what} does not decode: {exc}") from None
-
-
-def _error_message(call_id: int, error: BaseException) -> protocol.Error:
-    details = None
-    if isinstance(error, RemoteError):
-        status, type_name, message = int(error.status), error.type_name, error.message
-        trace = error.remote_traceback or (_format(error) if error.sends_traceback else "")
-        if error.details:
-            details = protocol.sendable_details(error.details)
-            if details is None:
-                logger.warning("the details of %s are not sent: not plain values, or over "
-                               "%d bytes", type_name, protocol.MAX_ERROR_DETAILS)
-    else:
-        status, type_name, message = int(Status.INTERNAL), type(error).__qualname__, str(error)
-        trace = _format(error)
-    return protocol.Error(call_id, status, _clip(type_name, 256), _clip(message),
-                          _clip(trace, keep_end=True), details)
-
-
-def _clip(text: str, limit: int = protocol.MAX_ERROR_TEXT, *, keep_end: bool = False) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was cut.
-
-    A message keeps its start; a traceback its end, where the error is.
-    """
-    if len(text) <= limit:
-        return text
-    keep = limit - 64  # room for the note, which is shorter than 64 characters
-    note = f" ... [{len(text) - keep} characters cut] ... "
-    return note + text[-keep:] if keep_end else text[:keep] + note
-
-
-def _format(error: BaseException) -> str:
-    return "".join(traceback.format_exception(error))
 
 
 class _Call:
@@ -526,29 +456,8 @@ class _Call:
         # The session's loop, not get_running_loop(): on Python 3.11 that asks
         # the OS for the pid every time, and this runs for every call.
         self._loop = session.driver.loop
-        # Set by start() when the call goes on in a task of its own.
+        # Set by _dispatch.start_call when the call goes on in a task of its own.
         self.task: asyncio.Task[None] | None = None
-
-    def start(self, handler: _Handler | None) -> None:
-        """Run the call: at once, to its end, when its handler cannot
-        suspend (no task, no deadline timer, no entry among the session's
-        calls in flight: ``_Handler.inline``); else in a task of its own,
-        which a CANCEL or the deadline cancels."""
-        if handler is not None and handler.inline and self.request.stream_arg < 0:
-            try:
-                # A context of its own, as a task would have.
-                task = contextvars.copy_context().run(start_eagerly, self._run(handler))
-            except asyncio.CancelledError:
-                return  # a handler that cancels itself gets no reply, as in a task
-            if task is None:
-                return  # the usual case: answered already
-            # It waited for one of the server's slots.
-            assert isinstance(task, asyncio.Task)
-        else:
-            task = self._loop.create_task(self._run(handler))
-        self.task = task
-        self.session.calls[self.call_id] = self
-        task.add_done_callback(self.forget)
 
     def grant(self, count: int) -> None:
         self._credit += max(0, count)
@@ -579,73 +488,8 @@ class _Call:
         if self.metrics is not None:
             self.metrics.bytes_out += sent
 
-    async def _run(self, handler: _Handler | None) -> None:
-        """The one path of every call: arguments, the handler, its answer
-        (RESPONSE, stream items, or ERROR), metrics and the timeline."""
-        request = self.request
-        slots = self.session._slots
-        started = time.perf_counter()
-        failed = True
-        reply: list[Any] | None = None  # its frames
-        try:
-            if handler is None:
-                handler = self.session.server._handler(request.method)  # raises NotFound
-            self.metrics = handler.metrics
-            self.metrics.bytes_in += self.request_bytes
-            if not slots.try_acquire():
-                await slots.acquire()
-            try:
-                args, kwargs = self._arguments(handler)
-                # A timer on the loop rather than asyncio.timeout(): cheaper,
-                # and a handler that cannot suspend needs none.
-                timer = None
-                if request.timeout is not None and not handler.inline:
-                    timer = self._loop.call_later(request.timeout, self._expire)
-                try:
-                    if handler.info.streaming:
-                        await self._stream(handler, args, kwargs)
-                    else:
-                        result = await handler.func(*args, **kwargs)
-                        reply = protocol.encode_response(
-                            self.call_id, _encode(result, handler.name, self.session._encoder))
-                except asyncio.CancelledError:
-                    if not self._expired or self.task is None or self.task.uncancel() > 0:
-                        raise
-                    raise DeadlineExceeded(
-                        f"{request.method} did not finish within its deadline "
-                        f"of {request.timeout:.3g} s"
-                    ) from None
-                finally:
-                    if timer is not None:
-                        timer.cancel()
-            finally:
-                slots.release()
-            failed = False
-        except asyncio.CancelledError:
-            # Never swallowed; a cancel from the client needs no reply.
-            raise
-        except Exception as exc:
-            if not isinstance(exc, RemoteError):
-                logger.debug("%s raised", request.method, exc_info=exc)
-            reply = protocol.encode(_error_message(self.call_id, exc))
-        finally:
-            if self.metrics is not None:
-                record_call(self.metrics, self.session._timeline, request.method, "rpc.server",
-                            started, failed)
-        # The call's slot is free, and its metrics complete, before the
-        # client has its answer and may send the next call.
-        self.forget()
-        if reply is None:
-            return
-        try:
-            sent = self.session.driver.post_frames(reply)
-        except Unavailable:
-            return  # the connection is gone: nobody to answer
-        if self.metrics is not None:
-            self.metrics.bytes_out += sent
-
     def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
-        args, kwargs = _unpack_arguments(self.request, handler, self.session._decoder)
+        args, kwargs = unpack_arguments(self.request, handler, self.session._decoder)
         stream_arg = self.request.stream_arg
         if stream_arg >= 0:
             if stream_arg > len(args):
@@ -653,7 +497,7 @@ class _Call:
             window = self.session.server.config.stream_window
             self.instream = _InStream(self, window)
             args.insert(stream_arg, self.instream)
-        _check_arguments(handler, args, kwargs)
+        check_arguments(handler, args, kwargs)
         if self.instream is not None:
             self.session.driver.send_soon(protocol.Credit(self.call_id, self.instream.window))
         return args, kwargs
@@ -672,16 +516,3 @@ class _Call:
         finally:
             await generator.aclose()
         await self._send(protocol.End(self.call_id))
-
-
-def _encode(value: Any, method_name: str, encoder: serde.Encoder) -> list[Any]:
-    try:
-        header, buffers = encoder.encode(value)
-    except serde.EncodeError as exc:
-        raise _unencodable(method_name, exc) from None
-    return [header, *buffers]
-
-
-def _unencodable(method_name: str, error: serde.EncodeError) -> Internal:
-    return Internal(f"the result of {method_name} cannot be encoded: {error}")
-

@@ -1,0 +1,214 @@
+# cython: language_level=3
+"""The server's dispatch of a request to its handler, compiled: the one path
+every call runs (``run_call``: its arguments, the handler, its answer as a
+RESPONSE, stream items or an ERROR, metrics and the timeline), and how it
+starts (``start_call``). ``server._Call`` is the record of one call that
+this path reads and writes; the server session creates it per REQUEST.
+"""
+
+import asyncio
+import contextvars
+import logging
+import time
+import traceback
+
+from .. import serde
+from .._counters import record_call
+from ..errors import DeadlineExceeded, Internal, InvalidArgument, RemoteError, Status, Unavailable
+from ..transports._eager import start_eagerly
+from . import protocol
+from ._wire import encode_response
+from .service import signature_text
+
+logger = logging.getLogger("tensorwire.rpc.server")
+
+cdef object _CancelledError = asyncio.CancelledError
+cdef object _Task = asyncio.Task
+cdef object _copy_context = contextvars.copy_context
+cdef object _perf_counter = time.perf_counter
+cdef object _EncodeError = serde.EncodeError
+cdef object _DecodeError = serde.DecodeError
+cdef object _encode_message = protocol.encode
+
+
+def start_call(call, handler):
+    """Run ``call`` (a ``server._Call``): at once, to its end, when its
+    handler cannot suspend (no task, no deadline timer, no entry among the
+    session's calls in flight: ``_Handler.inline``); else in a task of its
+    own, which a CANCEL or the deadline cancels."""
+    if handler is not None and handler.inline and call.request.stream_arg < 0:
+        try:
+            # A context of its own, as a task would have.
+            task = _copy_context().run(start_eagerly, run_call(call, handler))
+        except _CancelledError:
+            return  # a handler that cancels itself gets no reply, as in a task
+        if task is None:
+            return  # the usual case: answered already
+        # It waited for one of the server's slots.
+    else:
+        task = call._loop.create_task(run_call(call, handler))
+    call.task = task
+    call.session.calls[call.call_id] = call
+    task.add_done_callback(call.forget)
+
+
+async def run_call(call, handler):
+    """The one path of every call (see the module); ``handler`` is None for
+    a method the server does not have (NOT_FOUND)."""
+    request = call.request
+    session = call.session
+    slots = session._slots
+    started = _perf_counter()
+    failed = True
+    reply = None  # its frames
+    try:
+        if handler is None:
+            handler = session.server._handler(request.method)  # raises NotFound
+        metrics = call.metrics = handler.metrics
+        metrics.bytes_in += call.request_bytes
+        if not slots.try_acquire():
+            await slots.acquire()
+        try:
+            if request.stream_arg < 0:
+                args, kwargs = unpack_arguments(request, handler, session._decoder)
+                check_arguments(handler, args, kwargs)
+            else:
+                args, kwargs = call._arguments(handler)  # with the streamed argument
+            # A timer on the loop rather than asyncio.timeout(): cheaper,
+            # and a handler that cannot suspend needs none.
+            timer = None
+            if request.timeout is not None and not handler.inline:
+                timer = call._loop.call_later(request.timeout, call._expire)
+            try:
+                if handler.info.streaming:
+                    await call._stream(handler, args, kwargs)
+                else:
+                    # Without an empty keyword dict copied into the call.
+                    result = await (handler.func(*args, **kwargs) if kwargs
+                                    else handler.func(*args))
+                    reply = encode_response(call.call_id,
+                                            encode_value(result, handler.name, session._encoder))
+            except _CancelledError:
+                if not call._expired or call.task is None or call.task.uncancel() > 0:
+                    raise
+                raise DeadlineExceeded(
+                    f"{request.method} did not finish within its deadline "
+                    f"of {request.timeout:.3g} s"
+                ) from None
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        finally:
+            slots.release()
+        failed = False
+    except _CancelledError:
+        # Never swallowed; a cancel from the client needs no reply.
+        raise
+    except Exception as exc:
+        if not isinstance(exc, RemoteError):
+            logger.debug("%s raised", request.method, exc_info=exc)
+        reply = _encode_message(error_message(call.call_id, exc))
+    finally:
+        if call.metrics is not None:
+            record_call(call.metrics, session._timeline, request.method, "rpc.server",
+                        started, failed)
+    # The call's slot is free, and its metrics complete, before the client
+    # has its answer and may send the next call.
+    call.forget()
+    if reply is None:
+        return
+    try:
+        sent = session.driver.post_frames(reply)
+    except Unavailable:
+        return  # the connection is gone: nobody to answer
+    if call.metrics is not None:
+        call.metrics.bytes_out += sent
+
+
+cpdef tuple unpack_arguments(object request, object handler, object decoder):
+    """A request's ``(args, kwargs)``.
+
+    Raises:
+        InvalidArgument: the value does not decode, or is not [args, kwargs].
+    """
+    frames = request.value
+    try:
+        # Without an empty list of buffers: most requests are one frame.
+        value = (decoder.decode(frames[0]) if len(frames) == 1
+                 else decoder.decode(frames[0], frames[1:]))
+    except _DecodeError as exc:
+        raise InvalidArgument(f"the arguments of {handler.name} do not decode: {exc}") from None
+    if type(value) is list and len(value) == 2:
+        # What our client sends.
+        args, kwargs = value
+        if type(args) is list and type(kwargs) is dict:
+            return args, kwargs
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not isinstance(value[0], (list, tuple))
+        or not isinstance(value[1], dict)
+    ):
+        raise InvalidArgument("a request's value must be [args, kwargs]")
+    args = value[0]
+    return (args if type(args) is list else list(args)), value[1]
+
+
+cpdef void check_arguments(object handler, list args, dict kwargs) except *:
+    """Raises InvalidArgument when the arguments do not fit the handler."""
+    try:
+        handler.check(args, kwargs)
+    except TypeError as exc:
+        shown = signature_text(handler.info.signature)
+        raise InvalidArgument(f"arguments do not fit {handler.name}{shown}: {exc}") from None
+
+
+cpdef list encode_value(object value, str method_name, object encoder):
+    """The frames of a handler's result or stream item.
+
+    Raises:
+        Internal: the value cannot be encoded.
+    """
+    try:
+        header, buffers = encoder.encode(value)
+    except _EncodeError as exc:
+        raise Internal(f"the result of {method_name} cannot be encoded: {exc}") from None
+    return [header, *buffers]
+
+
+# --- errors to ERROR messages ----------------------------------------------------------
+
+def error_message(call_id, error):
+    """The ERROR that tells the client about ``error``: a RemoteError's own
+    status, message and details; any other exception is INTERNAL, with its
+    traceback."""
+    details = None
+    if isinstance(error, RemoteError):
+        status, type_name, message = int(error.status), error.type_name, error.message
+        trace = error.remote_traceback or (_format(error) if error.sends_traceback else "")
+        if error.details:
+            details = protocol.sendable_details(error.details)
+            if details is None:
+                logger.warning("the details of %s are not sent: not plain values, or over "
+                               "%d bytes", type_name, protocol.MAX_ERROR_DETAILS)
+    else:
+        status, type_name, message = int(Status.INTERNAL), type(error).__qualname__, str(error)
+        trace = _format(error)
+    return protocol.Error(call_id, status, clip(type_name, 256), clip(message),
+                          clip(trace, keep_end=True), details)
+
+
+def clip(text, limit=protocol.MAX_ERROR_TEXT, *, keep_end=False):
+    """``text`` cut to ``limit`` characters, saying how much was cut.
+
+    A message keeps its start; a traceback its end, where the error is.
+    """
+    if len(text) <= limit:
+        return text
+    keep = limit - 64  # room for the note, which is shorter than 64 characters
+    note = f" ... [{len(text) - keep} characters cut] ... "
+    return note + text[-keep:] if keep_end else text[:keep] + note
+
+
+cdef str _format(error):
+    return "".join(traceback.format_exception(error))
