@@ -10,6 +10,7 @@ messages from the session's ``on_other``, as does every message that is
 not a RESPONSE.
 """
 
+import asyncio
 from heapq import heapify, heappop, heappush
 
 from ..errors import DeadlineExceeded
@@ -17,6 +18,9 @@ from . import protocol
 from ._wire import encode_request
 
 cdef object _Response = protocol.Response
+cdef object _Cancel = protocol.Cancel
+cdef object _CancelledError = asyncio.CancelledError
+cdef object _timeout_at = asyncio.timeout_at
 
 #: The longest timeout a request carries: a longer one, infinity included,
 #: is this (half the protocol's bound: "no deadline" for any practical use).
@@ -94,6 +98,53 @@ cdef class CallsInFlight:
             raise
         return call_id
 
+    async def call(self, driver, str method, double deadline, int stream_arg, list payload,
+                   object metrics, double grace, object waiter=None, object on_sent=None):
+        """One unary call: its REQUEST posted, its answer awaited; returns
+        ``(message, nbytes)``. The caller holds the call's slot. A streamed
+        argument comes with its ``waiter`` (a stream's record) and
+        ``on_sent(call_id)``, which starts the task that sends its items.
+
+        The request is queued without waiting: the answer cannot come
+        before it has gone. A call that ends early (deadline, cancel) may
+        leave its request still going out, so its arguments must stay
+        unchanged until then, as with any send cut short.
+
+        Raises:
+            DeadlineExceeded: the deadline passed before the call was sent.
+            TimeoutError: it passed while the call waited for its answer
+                (at ``deadline + grace``: the server enforces the same
+                deadline, and waiting a moment longer lets its
+                DEADLINE_EXCEEDED, which says where the time went, arrive
+                first).
+            Unavailable: the connection is gone.
+        """
+        if driver.reading_paused:
+            await until_drained(driver, deadline, method)
+        if waiter is None:
+            waiter = future = self._loop.create_future()
+        else:
+            future = waiter.future
+        call_id = self.request(driver, method, deadline, stream_arg, payload, waiter, metrics,
+                               grace)
+        pump = None
+        try:
+            if on_sent is not None:
+                pump = on_sent(call_id)
+            return await future
+        except BaseException:
+            if call_id in self.pending:
+                driver.send_soon(_Cancel(call_id))  # the server stops the handler
+            raise
+        finally:
+            self.pending.pop(call_id, None)
+            if pump is not None:
+                pump.cancel()
+                try:
+                    await pump
+                except _CancelledError:
+                    pass
+
     cpdef object discard(self, unsigned long long call_id):
         """Forget a call (it ended); returns its waiter, or None."""
         return self.pending.pop(call_id, None)
@@ -151,3 +202,21 @@ cdef class CallsInFlight:
                       TimeoutError())
         if heap:
             self._arm(heap[0][0])
+
+
+async def until_drained(driver, double deadline, str method):
+    """Wait, within the call's deadline, until the server has taken enough
+    of what this client sent (``TransportConfig.max_unsent_bytes``): a
+    server that does not read then holds the client's calls back instead of
+    growing its outbox.
+
+    Raises:
+        DeadlineExceeded: the deadline passed first (the call was not sent).
+        Unavailable: the connection was lost meanwhile.
+    """
+    try:
+        async with _timeout_at(deadline):
+            await driver.drained()
+    except TimeoutError:
+        raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent "
+                               f"(the server is not taking what was sent)") from None

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Generator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Generator
 from typing import Any, TypeAlias, TypeVar, cast, final
 
 from .. import serde
@@ -189,51 +189,6 @@ class _ClientSession:
         if self.error is not None:
             self.slots.release()
             raise Unavailable(f"connection to {self.client.address} lost: {self.error}")
-
-    async def unary(self, method: str, deadline: float, stream_arg: int, payload: list[Any],
-                    source: AsyncIterable[Any] | None,
-                    metrics: MethodMetrics) -> tuple[protocol.Message, int]:
-        """Send a unary call's REQUEST and wait for its answer (the caller
-        holds the call's slot); ``source`` streams an argument.
-
-        The request is queued without waiting: the answer cannot come
-        before it has gone. A call that ends early (deadline, cancel) may
-        leave its request still going out, so its arguments must stay
-        unchanged until then, as with any send cut short.
-
-        Raises:
-            DeadlineExceeded: the deadline passed before the call was sent.
-            TimeoutError: it passed while the call waited for its answer.
-            Unavailable: the connection is gone.
-        """
-        driver = _driver(self)
-        if driver.reading_paused:
-            await _until_drained(driver, deadline, method)
-        waiter: _InFlight
-        future: asyncio.Future[tuple[protocol.Message, int]]
-        if source is None:
-            waiter = future = self.loop.create_future()
-        else:
-            waiter = _Pending(self.loop, False, metrics)
-            future = waiter.future
-        # The server enforces the same deadline; waiting a moment longer
-        # lets its DEADLINE_EXCEEDED, which says where the time went, arrive
-        # first.
-        call_id = self.calls.request(driver, method, deadline, stream_arg, payload, waiter,
-                                     metrics, _DEADLINE_GRACE)
-        pump: asyncio.Task[None] | None = None
-        try:
-            if type(waiter) is _Pending:
-                waiter.credit_event = asyncio.Event()
-                assert source is not None
-                pump = self.loop.create_task(self.client._pump(self, call_id, waiter, source))
-            return await future
-        except BaseException:
-            self.client._cancel_remote(self, call_id)
-            raise
-        finally:
-            self.calls.discard(call_id)
-            await _stop(pump)
 
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
         """Every message but a unary call's RESPONSE (see ``calls``)."""
@@ -451,8 +406,10 @@ class Client:
                     if not session.slots.try_acquire():
                         await session.acquire_slot(deadline)
                     try:
-                        message, nbytes = await session.unary(method, deadline, stream_arg,
-                                                              payload, source, metrics)
+                        waiter, on_sent = self._streaming_argument(session, source, metrics)
+                        message, nbytes = await session.calls.call(
+                            _driver(session), method, deadline, stream_arg, payload, metrics,
+                            _DEADLINE_GRACE, waiter, on_sent)
                     finally:
                         session.slots.release()
                 except Unavailable:
@@ -470,6 +427,18 @@ class Client:
             raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
         finally:
             record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
+
+    def _streaming_argument(
+        self, session: _ClientSession, source: AsyncIterable[Any] | None, metrics: MethodMetrics,
+    ) -> tuple[_Pending | None, Callable[[int], asyncio.Task[None]] | None]:
+        """For a call with a streamed argument: its record, and what starts
+        sending the items once the call has its id; else nothing."""
+        if source is None:
+            return None, None
+        pending = _Pending(session.loop, False, metrics)
+        pending.credit_event = asyncio.Event()
+        return pending, lambda call_id: session.loop.create_task(
+            self._pump(session, call_id, pending, source))
 
     def _connected(self) -> _ClientSession | None:
         """The session, when it is connected (a call need not wait)."""
@@ -634,24 +603,6 @@ class Client:
             "tensorwire.Reflection.services", idempotent=True
         )
         return result
-
-
-async def _until_drained(driver: ConnectionDriver, deadline: float, method: str) -> None:
-    """Wait, within the call's deadline, until the server has taken enough
-    of what this client sent (``TransportConfig.max_unsent_bytes``): a
-    server that does not read then holds the client's calls back instead of
-    growing its outbox.
-
-    Raises:
-        DeadlineExceeded: the deadline passed first (the call was not sent).
-        Unavailable: the connection was lost meanwhile.
-    """
-    try:
-        async with asyncio.timeout_at(deadline):
-            await driver.drained()
-    except TimeoutError:
-        raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent "
-                               f"(the server is not taking what was sent)") from None
 
 
 def _driver(session: _ClientSession) -> ConnectionDriver:
