@@ -19,6 +19,7 @@ MODULES: tuple[str, ...] = (
     "tensorwire.rpc._calls_in_flight",
     "tensorwire.rpc._dispatch",
     "tensorwire.rpc._driver_core",
+    "tensorwire.rpc._slots",
     "tensorwire.rpc._wire",
 )
 

@@ -1,9 +1,9 @@
 # cython: language_level=3
-"""The server's dispatch of a request to its handler, compiled: the one path
-every call runs (``run_call``: its arguments, the handler, its answer as a
-RESPONSE, stream items or an ERROR, metrics and the timeline), and how it
-starts (``start_call``). ``server._Call`` is the record of one call that
-this path reads and writes; the server session creates it per REQUEST.
+"""The server's dispatch of a request to its handler, compiled: the record
+of one call (``ServerCall``; ``server._Call`` adds its streaming parts), the
+one path every call runs (``run_call``: its arguments, the handler, its
+answer as a RESPONSE, stream items or an ERROR, metrics and the timeline),
+and how it starts (``start_call``).
 """
 
 import asyncio
@@ -31,7 +31,50 @@ cdef object _DecodeError = serde.DecodeError
 cdef object _encode_message = protocol.encode
 
 
-def start_call(call, handler):
+cdef class ServerCall:
+    """One call on the server, from its REQUEST to its answer."""
+
+    cdef public object session
+    cdef public object request
+    cdef public unsigned long long call_id
+    cdef public Py_ssize_t request_bytes
+    cdef public object metrics
+    cdef public object instream
+    # Set by start_call when the call goes on in a task of its own.
+    cdef public object task
+    cdef public bint _expired
+    # The session's loop, not get_running_loop(): on Python 3.11 that asks
+    # the OS for the pid every time, and this runs for every call.
+    cdef public object _loop
+
+    def __init__(self, session, request, Py_ssize_t nbytes):
+        self.session = session
+        self.request = request
+        self.call_id = request.call_id
+        self.request_bytes = nbytes
+        self._loop = session.driver.loop
+
+    def cancel(self):
+        if self.task is not None:
+            self.task.cancel()
+
+    def _expire(self):
+        self._expired = True
+        self.forget()
+        self.cancel()
+
+    def forget(self, _=None):
+        """Stop counting this call against the connection's limit."""
+        calls = self.session.calls
+        if calls.get(self.call_id) is self:
+            del calls[self.call_id]
+
+    def count_in(self, Py_ssize_t nbytes):
+        if self.metrics is not None:
+            self.metrics.bytes_in += nbytes
+
+
+def start_call(ServerCall call, handler):
     """Run ``call`` (a ``server._Call``): at once, to its end, when its
     handler cannot suspend (no task, no deadline timer, no entry among the
     session's calls in flight: ``_Handler.inline``); else in a task of its
@@ -52,7 +95,7 @@ def start_call(call, handler):
     task.add_done_callback(call.forget)
 
 
-async def run_call(call, handler):
+async def run_call(ServerCall call, handler):
     """The one path of every call (see the module); ``handler`` is None for
     a method the server does not have (NOT_FOUND)."""
     request = call.request

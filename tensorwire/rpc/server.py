@@ -29,6 +29,7 @@ from ..transports import Connection, Listener, listen
 from . import protocol
 from ._connection_driver import ConnectionDriver
 from ._dispatch import (
+    ServerCall,
     check_arguments,
     error_message,
     start_call,
@@ -440,48 +441,17 @@ def _decode(frames: list[Any], what: str, decoder: serde.Decoder) -> Any:
         raise InvalidArgument(f"{what} does not decode: {exc}") from None
 
 
-class _Call:
-    """One call running on the server."""
+class _Call(ServerCall):
+    """One call running on the server: ``ServerCall`` (compiled), with its
+    streams' credit."""
 
-    def __init__(self, session: _ServerSession, request: protocol.Request, nbytes: int) -> None:
-        self.session = session
-        self.call_id = request.call_id
-        self.request = request
-        self.request_bytes = nbytes
-        self._credit = 0
-        self._credit_event: asyncio.Event | None = None
-        self.instream: _InStream | None = None
-        self.metrics: MethodMetrics | None = None
-        self._expired = False
-        # The session's loop, not get_running_loop(): on Python 3.11 that asks
-        # the OS for the pid every time, and this runs for every call.
-        self._loop = session.driver.loop
-        # Set by _dispatch.start_call when the call goes on in a task of its own.
-        self.task: asyncio.Task[None] | None = None
+    _credit = 0
+    _credit_event: asyncio.Event | None = None
 
     def grant(self, count: int) -> None:
         self._credit += max(0, count)
         if self._credit_event is not None:
             self._credit_event.set()
-
-    def cancel(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-
-    def _expire(self) -> None:
-        self._expired = True
-        self.forget()
-        self.cancel()
-
-    def forget(self, _: object = None) -> None:
-        """Stop counting this call against the connection's limit."""
-        calls = self.session.calls
-        if calls.get(self.call_id) is self:
-            del calls[self.call_id]
-
-    def count_in(self, nbytes: int) -> None:
-        if self.metrics is not None:
-            self.metrics.bytes_in += nbytes
 
     async def _send(self, message: protocol.Message) -> None:
         sent = await self.session.driver.send(message)
