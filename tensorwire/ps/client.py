@@ -604,7 +604,7 @@ class PSClient:
         finally:
             self._running -= 1
             record_call(self._metrics[name], timeline, name, "ps", started, error,
-                        worker=self.worker, clock=clock)
+                        {"worker": self.worker, "clock": clock})
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per operation (push, pull, push_pull): calls, errors, bytes out and
