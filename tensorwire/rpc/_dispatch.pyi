@@ -1,11 +1,17 @@
 """Stub of the compiled ``_dispatch`` module (see _dispatch.pyx)."""
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from .. import serde
 from .._counters import MethodMetrics
 from . import protocol
+
+class RequestDispatch:
+    def __init__(self, session: Any, on_other: Callable[[protocol.Message, int], None],
+                 call_class: type[ServerCall]) -> None: ...
+    def on_message(self, message: protocol.Message, nbytes: int) -> None: ...
 
 class ServerCall:
     session: Any

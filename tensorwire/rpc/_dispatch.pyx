@@ -1,7 +1,8 @@
 # cython: language_level=3
-"""The server's dispatch of a request to its handler, compiled: the record
-of one call (``ServerCall``; ``server._Call`` adds its streaming parts), the
-one path every call runs (``run_call``: its arguments, the handler, its
+"""The server's dispatch of a request to its handler, compiled: where a
+session's REQUESTs arrive (``RequestDispatch``), the record of one call
+(``ServerCall``; ``server._Call`` adds its streaming parts), the one path
+every call runs (``run_call``: its arguments, the handler, its
 answer as a RESPONSE, stream items or an ERROR, metrics and the timeline),
 and how it starts (``start_call``).
 """
@@ -14,7 +15,16 @@ import traceback
 
 from .. import serde
 from .._counters import record_call
-from ..errors import DeadlineExceeded, Internal, InvalidArgument, RemoteError, Status, Unavailable
+from ..errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    ProtocolError,
+    RemoteError,
+    ResourceExhausted,
+    Status,
+    Unavailable,
+)
 from ..transports._eager import start_eagerly
 from . import protocol
 from ._wire import encode_response
@@ -29,6 +39,45 @@ cdef object _perf_counter = time.perf_counter
 cdef object _EncodeError = serde.EncodeError
 cdef object _DecodeError = serde.DecodeError
 cdef object _encode_message = protocol.encode
+cdef object _Request = protocol.Request
+
+
+cdef class RequestDispatch:
+    """A server session's messages arrive here: a REQUEST starts its call
+    (a ``call_class``, a ``ServerCall``); every other message goes to the
+    session's ``on_other``."""
+
+    cdef object _session
+    cdef object _on_other
+    cdef object _call_class
+
+    def __init__(self, session, on_other, call_class):
+        self._session = session
+        self._on_other = on_other
+        self._call_class = call_class
+
+    def on_message(self, message, Py_ssize_t nbytes):
+        if type(message) is _Request:
+            self._start(message, nbytes)
+        else:
+            self._on_other(message, nbytes)
+
+    cdef void _start(self, request, Py_ssize_t nbytes) except *:
+        session = self._session
+        call_id = request.call_id
+        calls = session.calls
+        if call_id in calls:
+            raise ProtocolError(f"call id {call_id} is already in use")
+        if not session._accepting or len(calls) >= session._limit:
+            error = (
+                Unavailable("the server is shutting down") if not session._accepting
+                else ResourceExhausted(
+                    f"more than {session._limit} calls in flight on one connection")
+            )
+            session.driver.send_soon(error_message(call_id, error))
+            return
+        start_call(self._call_class(session, request, nbytes),
+                   session._handlers.get(request.method))
 
 
 cdef class ServerCall:

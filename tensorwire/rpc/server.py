@@ -19,20 +19,18 @@ from ..errors import (
     LimitExceededError,
     NotFound,
     ProtocolError,
-    RemoteError,
     ResourceExhausted,
     Status,
     TensorwireError,
-    Unavailable,
 )
 from ..transports import Connection, Listener, listen
 from . import protocol
 from ._connection_driver import ConnectionDriver
 from ._dispatch import (
+    RequestDispatch,
     ServerCall,
     check_arguments,
     error_message,
-    start_call,
     unpack_arguments,
 )
 from ._dispatch import (
@@ -281,7 +279,11 @@ class _ServerSession:
         # Requests skipped while the handshake was answered.
         self._refused_early = refused
         self.calls: dict[int, _Call] = {}
-        self.driver = ConnectionDriver(conn, self._on_message, self._on_close,
+        # REQUESTs start their calls in RequestDispatch (compiled); the rest
+        # comes to _on_message. Only the driver holds it, and lets go of it
+        # when closed (no cycle: issue 21).
+        dispatch = RequestDispatch(self, self._on_message, _Call)
+        self.driver = ConnectionDriver(conn, dispatch.on_message, self._on_close,
                                heartbeat_timeout=server.config.heartbeat_timeout,
                                on_refused=self._on_refused,
                                max_unsent=server.config.transport.max_unsent_bytes)
@@ -322,9 +324,7 @@ class _ServerSession:
         self._done.set()
 
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
-        if type(message) is protocol.Request:
-            self._start(message, nbytes)
-            return
+        """Every message but a REQUEST (see ``_dispatch``)."""
         call = self.calls.get(message.call_id)
         if isinstance(message, protocol.Ping):
             self.driver.send_soon(protocol.Pong(0))
@@ -366,20 +366,6 @@ class _ServerSession:
         else:
             # No call to blame: the connection cannot go on sensibly.
             raise error
-
-    def _start(self, request: protocol.Request, nbytes: int) -> None:
-        call_id = request.call_id
-        calls = self.calls
-        if call_id in calls:
-            raise ProtocolError(f"call id {call_id} is already in use")
-        if not self._accepting or len(calls) >= self._limit:
-            error: RemoteError = (
-                Unavailable("the server is shutting down") if not self._accepting
-                else ResourceExhausted(f"more than {self._limit} calls in flight on one connection")
-            )
-            self.driver.send_soon(error_message(call_id, error))
-            return
-        start_call(_Call(self, request, nbytes), self._handlers.get(request.method))
 
 
 class _InStream:
