@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ("MODULES", "status")
 
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = ("tensorwire.rpc._calls",)
 
 
 def status() -> dict[str, Any]:
