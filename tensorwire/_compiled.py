@@ -17,6 +17,7 @@ __all__ = ("MODULES", "status")
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
 MODULES: tuple[str, ...] = (
     "tensorwire._counters",
+    "tensorwire.rpc._calls",
     "tensorwire.rpc._calls_in_flight",
     "tensorwire.rpc._dispatch",
     "tensorwire.rpc._driver_core",
