@@ -5,10 +5,16 @@ from collections.abc import Callable
 from typing import Any
 
 from .._counters import MethodMetrics
+from ._calls import CallState
 from ._driver_core import DriverCore
 from .protocol import Message
 
 LONGEST: float
+
+class UnaryCall:
+    future: asyncio.Future[tuple[Message, int]]
+    state: CallState
+    def __init__(self, future: asyncio.Future[tuple[Message, int]]) -> None: ...
 
 class CallsInFlight:
     pending: dict[int, Any]
@@ -26,6 +32,7 @@ class CallsInFlight:
                    ) -> tuple[Message, int]: ...
     def discard(self, call_id: int) -> Any: ...
     def on_message(self, message: Message, nbytes: int) -> None: ...
+    def fail(self, call_id: int, error: BaseException) -> bool: ...
     def fail_all(self, error: BaseException) -> None: ...
     def _expire_due(self) -> None: ...
 

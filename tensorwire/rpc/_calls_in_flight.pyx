@@ -3,21 +3,32 @@
 waits for the answer, the REQUEST that starts a call, the RESPONSE that
 resolves it, and the calls' deadlines on one loop timer.
 
-A plain unary call waits on a bare future, resolved here with
-``(message, nbytes)``. Any other waiter (a stream's record, see
+A plain unary call is a ``UnaryCall`` here: its future, resolved with
+``(message, nbytes)``, and its ``CallState`` (``_calls``), which every
+message of the call goes through. Any other waiter (a stream's record, see
 ``client._Pending``) has a ``future`` and a ``fail(error)`` and gets its
-messages from the session's ``on_other``, as does every message that is
-not a RESPONSE.
+messages from the session's ``on_other``, as does every message that
+belongs to no unary call.
 """
+
+cimport cython
+
+from ._calls cimport CallState
 
 import asyncio
 from heapq import heapify, heappop, heappush
 
 from ..errors import DeadlineExceeded
 from . import protocol
+from ._calls import CLIENT, EXPIRED
 from ._wire import encode_request
 
 cdef object _Response = protocol.Response
+cdef int _CLIENT = CLIENT
+cdef int _EXPIRED = EXPIRED
+cdef int _REQUEST = protocol.Kind.REQUEST
+cdef int _RESPONSE = protocol.Kind.RESPONSE
+cdef int _CANCEL = protocol.Kind.CANCEL
 cdef object _Cancel = protocol.Cancel
 cdef object _CancelledError = asyncio.CancelledError
 cdef object _timeout_at = asyncio.timeout_at
@@ -34,12 +45,36 @@ cdef inline void _fail(object future, object error) except *:
         future.exception()  # retrieved: a stream may never look at it
 
 
+@cython.final
+cdef class UnaryCall:
+    """A plain unary call in flight: its future and its state."""
+
+    cdef readonly object future
+    cdef readonly CallState state
+
+    def __init__(self, future):
+        self.future = future
+        self.state = CallState(_CLIENT)
+
+    cdef void deliver(self, object message, Py_ssize_t nbytes) except *:
+        """A message of this call from the server; the state machine says
+        whether it ends the wait (a message after the call's end is dropped,
+        one the server may not send is a ProtocolError)."""
+        cdef int kind = _RESPONSE if type(message) is _Response else message.kind
+        if self.state.receive(kind) and not self.future.done():
+            self.future.set_result((message, nbytes))
+
+    cdef bint may_cancel(self):
+        """Whether the server is to hear of this call's end (CANCEL): not
+        after its answer, once after its deadline."""
+        return not self.state.done or self.state.outcome == _EXPIRED
+
+
 cdef class CallsInFlight:
     """The calls in flight on one client connection (see the module)."""
 
     cdef readonly dict pending
     cdef object _loop
-    cdef object _future_type
     cdef object _on_other
     cdef unsigned long long _last_id
     # Deadlines as a heap of (when, call id), with one loop timer for the
@@ -54,7 +89,6 @@ cdef class CallsInFlight:
     def __init__(self, loop, on_other):
         self.pending = {}
         self._loop = loop
-        self._future_type = type(loop.create_future())
         self._on_other = on_other
         self.deadlines = []
         self._compact_at = 64
@@ -89,6 +123,8 @@ cdef class CallsInFlight:
         cdef double remaining = deadline - self._loop.time()
         if remaining <= 0.0:
             raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent")
+        if type(waiter) is UnaryCall:
+            (<UnaryCall>waiter).state.send(_REQUEST)
         cdef unsigned long long call_id = self.add(waiter, deadline + grace)
         try:
             metrics.bytes_out += driver.post_frames(encode_request(
@@ -122,9 +158,8 @@ cdef class CallsInFlight:
         if driver.reading_paused:
             await until_drained(driver, deadline, method)
         if waiter is None:
-            waiter = future = self._loop.create_future()
-        else:
-            future = waiter.future
+            waiter = UnaryCall(self._loop.create_future())
+        future = waiter.future
         call_id = self.request(driver, method, deadline, stream_arg, payload, waiter, metrics,
                                grace)
         pump = None
@@ -133,7 +168,10 @@ cdef class CallsInFlight:
                 pump = on_sent(call_id)
             return await future
         except BaseException:
-            if call_id in self.pending:
+            if call_id in self.pending and (type(waiter) is not UnaryCall
+                                            or (<UnaryCall>waiter).may_cancel()):
+                if type(waiter) is UnaryCall:
+                    (<UnaryCall>waiter).state.send(_CANCEL)
                 driver.send_soon(_Cancel(call_id))  # the server stops the handler
             raise
         finally:
@@ -150,23 +188,28 @@ cdef class CallsInFlight:
         return self.pending.pop(call_id, None)
 
     def on_message(self, message, Py_ssize_t nbytes):
-        """A message from the server: a RESPONSE resolves its call's future
-        here; everything else goes to ``on_other``."""
-        if type(message) is _Response:
-            waiter = self.pending.get(message.call_id)
-            if waiter is None:
-                return  # the call ended already (cancelled, timed out)
-            if type(waiter) is self._future_type:
-                if not waiter.done():
-                    waiter.set_result((message, nbytes))
-                return
-        self._on_other(message, nbytes)
+        """A message from the server: one of a unary call goes to its
+        ``UnaryCall``; everything else to ``on_other``."""
+        waiter = self.pending.get(message.call_id)
+        if type(waiter) is UnaryCall:
+            (<UnaryCall>waiter).deliver(message, nbytes)
+        else:
+            self._on_other(message, nbytes)
+
+    def fail(self, unsigned long long call_id, error):
+        """A unary call in flight fails with ``error``; False when
+        ``call_id`` is no unary call's."""
+        waiter = self.pending.get(call_id)
+        if type(waiter) is not UnaryCall:
+            return False
+        _fail((<UnaryCall>waiter).future, error)
+        return True
 
     def fail_all(self, error):
         """The connection is gone: every call fails with ``error``."""
         for waiter in list(self.pending.values()):
-            if type(waiter) is self._future_type:
-                _fail(waiter, error)
+            if type(waiter) is UnaryCall:
+                _fail((<UnaryCall>waiter).future, error)
             else:
                 waiter.fail(error)
         if self._timer is not None:
@@ -196,10 +239,12 @@ cdef class CallsInFlight:
         now = self._loop.time()
         while heap and heap[0][0] <= now:
             waiter = self.pending.get(heappop(heap)[1])
-            if waiter is not None:
+            if type(waiter) is UnaryCall:
                 # The deadline passed: end the wait.
-                _fail(waiter if type(waiter) is self._future_type else waiter.future,
-                      TimeoutError())
+                if (<UnaryCall>waiter).state.expire():
+                    _fail((<UnaryCall>waiter).future, TimeoutError())
+            elif waiter is not None:
+                _fail(waiter.future, TimeoutError())
         if heap:
             self._arm(heap[0][0])
 

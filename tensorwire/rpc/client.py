@@ -27,7 +27,7 @@ from ..errors import (
 )
 from ..transports import connect as transport_connect
 from . import protocol
-from ._calls_in_flight import LONGEST, CallsInFlight
+from ._calls_in_flight import LONGEST, CallsInFlight, UnaryCall
 from ._connection_driver import ConnectionDriver
 from ._proxy import Proxy
 from ._slots import Slots
@@ -117,9 +117,9 @@ class _Pending:
             self.credit_event.set()
 
 
-#: What ``_ClientSession.pending`` holds for a call: a bare future for a plain
-#: unary call (the hot path: no object of ours per call), else a _Pending.
-_InFlight: TypeAlias = "asyncio.Future[tuple[protocol.Message, int]] | _Pending"
+#: What ``_ClientSession.pending`` holds for a call: a plain unary call's
+#: ``UnaryCall`` (compiled, with its CallState), else a _Pending.
+_InFlight: TypeAlias = "UnaryCall | _Pending"
 
 
 def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
@@ -200,12 +200,8 @@ class _ClientSession:
         ):
             raise ProtocolError(f"a server may not send {message.kind.name}")
         pending = self.pending.get(message.call_id)
-        if pending is None:
-            return  # the call ended already (cancelled, timed out)
         if type(pending) is not _Pending:
-            if not isinstance(message, protocol.Credit) and not pending.done():
-                pending.set_result((message, nbytes))
-            return
+            return  # the call ended already (cancelled, timed out)
         if isinstance(message, protocol.Credit):
             pending.grant(message.count)
             return
@@ -223,7 +219,7 @@ class _ClientSession:
         exhausted = ResourceExhausted(
             f"a reply from {self.client.address} is beyond this client's limits: {error}")
         if type(pending) is not _Pending:
-            _fail(pending, exhausted)
+            self.calls.fail(message.call_id, exhausted)  # a unary call
             return
         if pending.items is None:
             pending.fail(exhausted)
