@@ -7,6 +7,7 @@ from typing import Any
 from .. import serde
 from .._counters import MethodMetrics
 from . import protocol
+from ._calls import CallState
 
 class RequestDispatch:
     def __init__(self, session: Any, on_other: Callable[[protocol.Message, int], None],
@@ -20,6 +21,7 @@ class ServerCall:
     request_bytes: int
     metrics: MethodMetrics | None
     instream: Any
+    state: CallState
     task: asyncio.Task[None] | None
     _expired: bool
     _loop: asyncio.AbstractEventLoop

@@ -7,6 +7,10 @@ answer as a RESPONSE, stream items or an ERROR, metrics and the timeline),
 and how it starts (``start_call``).
 """
 
+cimport cython
+
+from ._calls cimport CallState
+
 import asyncio
 import contextvars
 import logging
@@ -19,6 +23,7 @@ from ..errors import (
     DeadlineExceeded,
     Internal,
     InvalidArgument,
+    LocalProtocolError,
     ProtocolError,
     RemoteError,
     ResourceExhausted,
@@ -27,6 +32,7 @@ from ..errors import (
 )
 from ..transports._eager import start_eagerly
 from . import protocol
+from ._calls import SERVER
 from ._wire import encode_response
 from .service import signature_text
 
@@ -40,6 +46,10 @@ cdef object _EncodeError = serde.EncodeError
 cdef object _DecodeError = serde.DecodeError
 cdef object _encode_message = protocol.encode
 cdef object _Request = protocol.Request
+cdef int _SERVER = SERVER
+cdef int _REQUEST = protocol.Kind.REQUEST
+cdef int _RESPONSE = protocol.Kind.RESPONSE
+cdef int _ERROR = protocol.Kind.ERROR
 
 
 cdef class RequestDispatch:
@@ -89,6 +99,8 @@ cdef class ServerCall:
     cdef public Py_ssize_t request_bytes
     cdef public object metrics
     cdef public object instream
+    # The call's rules (rpc._calls), set by start_call.
+    cdef public CallState state
     # Set by start_call when the call goes on in a task of its own.
     cdef public object task
     cdef public bint _expired
@@ -109,6 +121,7 @@ cdef class ServerCall:
 
     def _expire(self):
         self._expired = True
+        self.state.expire()
         self.forget()
         self.cancel()
 
@@ -128,7 +141,12 @@ def start_call(ServerCall call, handler):
     handler cannot suspend (no task, no deadline timer, no entry among the
     session's calls in flight: ``_Handler.inline``); else in a task of its
     own, which a CANCEL or the deadline cancels."""
-    if handler is not None and handler.inline and call.request.stream_arg < 0:
+    cdef bint arg_streams = call.request.stream_arg >= 0
+    call.state = CallState(_SERVER, arg_streams,
+                           handler is not None and handler.info.streaming,
+                           call.session.server.config.stream_window if arg_streams else 0)
+    call.state.receive(_REQUEST)
+    if handler is not None and handler.inline and not arg_streams:
         try:
             # A context of its own, as a task would have.
             task = _copy_context().run(start_eagerly, run_call(call, handler))
@@ -153,6 +171,7 @@ async def run_call(ServerCall call, handler):
     started = _perf_counter()
     failed = True
     reply = None  # its frames
+    cdef int kind = _RESPONSE
     try:
         if handler is None:
             handler = session.server._handler(request.method)  # raises NotFound
@@ -200,6 +219,7 @@ async def run_call(ServerCall call, handler):
         if not isinstance(exc, RemoteError):
             logger.debug("%s raised", request.method, exc_info=exc)
         reply = _encode_message(error_message(call.call_id, exc))
+        kind = _ERROR
     finally:
         if call.metrics is not None:
             record_call(call.metrics, session._timeline, request.method, "rpc.server",
@@ -208,6 +228,13 @@ async def run_call(ServerCall call, handler):
     # has its answer and may send the next call.
     call.forget()
     if reply is None:
+        return
+    try:
+        call.state.send(kind)
+    except LocalProtocolError:
+        # Past its deadline, a handler that swallowed the cancel answered
+        # anyway: the call is over (the client gives up on its own).
+        logger.debug("%s: no answer after the call ended", request.method)
         return
     try:
         sent = session.driver.post_frames(reply)
