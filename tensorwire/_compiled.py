@@ -19,6 +19,7 @@ MODULES: tuple[str, ...] = (
     "tensorwire._counters",
     "tensorwire.rpc._calls",
     "tensorwire.rpc._calls_in_flight",
+    "tensorwire.rpc._client_core",
     "tensorwire.rpc._dispatch",
     "tensorwire.rpc._driver_core",
     "tensorwire.rpc._slots",

@@ -25,7 +25,7 @@ class CallsInFlight:
     def request(self, driver: DriverCore, method: str, deadline: float, stream_arg: int,
                 payload: list[Any], waiter: Any, metrics: MethodMetrics,
                 grace: float) -> int: ...
-    async def call(self, driver: DriverCore, method: str, deadline: float, stream_arg: int,
+    async def call(self, driver: DriverCore | None, method: str, deadline: float, stream_arg: int,
                    payload: list[Any], metrics: MethodMetrics, grace: float,
                    waiter: Any = None,
                    on_sent: Callable[[int], asyncio.Task[None]] | None = None,

@@ -18,7 +18,7 @@ from ._calls cimport CallState
 import asyncio
 from heapq import heapify, heappop, heappush
 
-from ..errors import DeadlineExceeded
+from ..errors import DeadlineExceeded, Unavailable
 from . import protocol
 from ._calls import CLIENT, EXPIRED
 from ._wire import encode_request
@@ -153,8 +153,11 @@ cdef class CallsInFlight:
                 deadline, and waiting a moment longer lets its
                 DEADLINE_EXCEEDED, which says where the time went, arrive
                 first).
-            Unavailable: the connection is gone.
+            Unavailable: the connection is gone (or ``driver`` is None: it
+                never was).
         """
+        if driver is None:
+            raise Unavailable("not connected")
         if driver.reading_paused:
             await until_drained(driver, deadline, method)
         if waiter is None:

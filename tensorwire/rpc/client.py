@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections.abc
 import contextlib
 import logging
 import math
@@ -15,7 +14,6 @@ from typing import Any, TypeAlias, TypeVar, cast, final
 from .. import serde
 from .._counters import MethodMetrics, Metrics, record_call
 from ..errors import (
-    ConfigError,
     DeadlineExceeded,
     LimitExceededError,
     ProtocolError,
@@ -28,6 +26,8 @@ from ..errors import (
 from ..transports import connect as transport_connect
 from . import protocol
 from ._calls_in_flight import LONGEST, CallsInFlight, UnaryCall
+from ._client_core import ClientCore, sendable, split_stream
+from ._client_core import remote_error as _remote
 from ._connection_driver import ConnectionDriver
 from ._proxy import Proxy
 from ._slots import Slots
@@ -44,19 +44,8 @@ S = TypeVar("S")
 _DEADLINE_GRACE = 0.05
 #: The longest timeout a request carries (see _calls_in_flight.LONGEST).
 _LONGEST = LONGEST
-
-
-def _sendable(timeout: float) -> float:
-    """A call's timeout outside (0, _LONGEST), as its request can carry it:
-    none left is 0.0 (the call then fails before it is sent), a longer one
-    is ``_LONGEST``.
-
-    Raises:
-        ConfigError: the timeout is not a number of seconds (NaN).
-    """
-    if math.isnan(timeout):
-        raise ConfigError(f"a call's timeout must be a number of seconds, got {timeout!r}")
-    return 0.0 if timeout <= 0.0 else _LONGEST
+_sendable = sendable
+_split_stream = split_stream
 
 
 def connect(address: str, *, config: ClientConfig | None = None, **options: Any) -> Client:
@@ -249,7 +238,7 @@ class _ClientSession:
             await self.driver.close()
 
 
-class Client:
+class Client(ClientCore):
     """Calls methods on one server; many calls share one connection.
 
     Reconnects on the next call after the connection is lost; calls to
@@ -265,8 +254,6 @@ class Client:
         self._next_attempt = 0.0
         self._metrics = Metrics()
         self._closed = False
-        # The client's own codec (it runs on one event loop's thread): a
-        # call each way less than serde's per-thread functions.
         self._encoder = serde.Encoder()
         self._decoder = serde.Decoder()
 
@@ -388,9 +375,7 @@ class Client:
         own, no keyword dict built for the options on every call)."""
         deadline = self._deadline(timeout)
         args, source, stream_arg = _split_stream(args)
-        # A list, not the tuple: msgpack packs a list in C, a tuple through
-        # a Python callback (the server takes either).
-        payload = self._encode([list(args), kwargs])
+        payload = self._encode_arguments(args, kwargs)
         metrics = self._metrics[method]
         retry = idempotent and source is None  # once, after losing the connection
         started = time.perf_counter()
@@ -402,9 +387,10 @@ class Client:
                     if not session.slots.try_acquire():
                         await session.acquire_slot(deadline)
                     try:
-                        waiter, on_sent = self._streaming_argument(session, source, metrics)
+                        waiter, on_sent = (None, None) if source is None else \
+                            self._streaming_argument(session, source, metrics)
                         message, nbytes = await session.calls.call(
-                            _driver(session), method, deadline, stream_arg, payload, metrics,
+                            session.driver, method, deadline, stream_arg, payload, metrics,
                             _DEADLINE_GRACE, waiter, on_sent)
                     finally:
                         session.slots.release()
@@ -425,47 +411,14 @@ class Client:
             record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
 
     def _streaming_argument(
-        self, session: _ClientSession, source: AsyncIterable[Any] | None, metrics: MethodMetrics,
-    ) -> tuple[_Pending | None, Callable[[int], asyncio.Task[None]] | None]:
+        self, session: _ClientSession, source: AsyncIterable[Any], metrics: MethodMetrics,
+    ) -> tuple[_Pending, Callable[[int], asyncio.Task[None]]]:
         """For a call with a streamed argument: its record, and what starts
-        sending the items once the call has its id; else nothing."""
-        if source is None:
-            return None, None
+        sending the items once the call has its id."""
         pending = _Pending(session.loop, False, metrics)
         pending.credit_event = asyncio.Event()
         return pending, lambda call_id: session.loop.create_task(
             self._pump(session, call_id, pending, source))
-
-    def _connected(self) -> _ClientSession | None:
-        """The session, when it is connected (a call need not wait)."""
-        session = self._session
-        return session if session is not None and session.alive else None
-
-    def _result(self, message: protocol.Message, nbytes: int, metrics: MethodMetrics,
-                method: str) -> Any:
-        """A unary call's result, from its answer."""
-        metrics.bytes_in += nbytes
-        if type(message) is not protocol.Response:
-            raise _unexpected(message, method)
-        frames = message.value
-        # Without an empty list of buffers: most answers are one frame.
-        return (self._decoder.decode(frames[0]) if len(frames) == 1
-                else self._decoder.decode(frames[0], frames[1:]))
-
-    def _deadline(self, timeout: float | None) -> float:
-        """The loop time by which a call with ``timeout`` must end.
-
-        Raises:
-            ConfigError: the timeout is not a number of seconds (NaN).
-        """
-        session = self._session
-        # The session's loop when connected: get_running_loop() asks the OS
-        # for the pid on every call on Python 3.11.
-        loop = session.loop if session is not None else asyncio.get_running_loop()
-        remaining = self.config.timeout if timeout is None else timeout
-        if not 0.0 < remaining < _LONGEST:
-            remaining = _sendable(remaining)
-        return loop.time() + remaining
 
     def stream(
         self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -567,10 +520,6 @@ class Client:
             # The caller's iterable failed: end the call with that error.
             pending.fail(exc)
 
-    def _encode(self, value: Any) -> list[Any]:
-        header, buffers = self._encoder.encode(value)
-        return [header, *buffers]
-
     def _register(self, session: _ClientSession, metrics: MethodMetrics, *,
                   streaming: bool) -> tuple[int, _Pending]:
         if session.error is not None:
@@ -613,38 +562,3 @@ async def _stop(task: asyncio.Task[None] | None) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-def _split_stream(
-    args: tuple[Any, ...],
-) -> tuple[tuple[Any, ...], AsyncIterable[Any] | None, int]:
-    """Take the async-iterable argument (if any) out of ``args``."""
-    index = _aiter_index(args)
-    if index < 0:
-        return args, None, -1
-    return args[:index] + args[index + 1 :], args[index], index
-
-
-#: Argument types that are never async iterables, checked first: the ABC's
-#: isinstance() costs several times a set lookup, for every argument.
-_PLAIN = frozenset({int, float, str, bytes, bool, type(None), list, tuple, dict})
-
-
-def _aiter_index(args: tuple[Any, ...]) -> int:
-    for index, arg in enumerate(args):
-        if type(arg) not in _PLAIN and isinstance(arg, collections.abc.AsyncIterable):
-            return index
-    return -1
-
-
-def _remote(message: protocol.Error) -> RemoteError:
-    cls = RemoteError.for_status(message.status, message.type_name)
-    return cls(message.message, type_name=message.type_name,
-               remote_traceback=message.traceback, details=message.details)
-
-
-def _unexpected(message: protocol.Message, method: str) -> Exception:
-    """What a unary call raises for an answer that is not a RESPONSE."""
-    if isinstance(message, protocol.Error):
-        return _remote(message)
-    return ProtocolError(f"unexpected {message.kind.name} for unary call {method}")

@@ -313,7 +313,7 @@ class _ServerSession:
         self._accepting = False
 
     def call_tasks(self) -> list[asyncio.Task[None]]:
-        # Only calls that run in a task of their own are kept (_Call.start).
+        # Only calls that run in a task of their own are kept (_dispatch.start_call).
         return [call.task for call in self.calls.values() if call.task is not None]
 
     async def close(self) -> None:
