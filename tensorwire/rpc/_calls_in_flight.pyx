@@ -171,11 +171,7 @@ cdef class CallsInFlight:
                 pump = on_sent(call_id)
             return await future
         except BaseException:
-            if call_id in self.pending and (type(waiter) is not UnaryCall
-                                            or (<UnaryCall>waiter).may_cancel()):
-                if type(waiter) is UnaryCall:
-                    (<UnaryCall>waiter).state.send(_CANCEL)
-                driver.send_soon(_Cancel(call_id))  # the server stops the handler
+            self._cancel_remote(driver, call_id, waiter)
             raise
         finally:
             self.pending.pop(call_id, None)
@@ -186,9 +182,16 @@ cdef class CallsInFlight:
                 except _CancelledError:
                     pass
 
-    cpdef object discard(self, unsigned long long call_id):
-        """Forget a call (it ended); returns its waiter, or None."""
-        return self.pending.pop(call_id, None)
+    cdef void _cancel_remote(self, driver, unsigned long long call_id, waiter) except *:
+        """The caller stopped waiting: the server stops the handler
+        (CANCEL), unless the call is over for it already."""
+        if call_id not in self.pending:
+            return
+        if type(waiter) is UnaryCall:
+            if not (<UnaryCall>waiter).may_cancel():
+                return
+            (<UnaryCall>waiter).state.send(_CANCEL)
+        driver.send_soon(_Cancel(call_id))
 
     def on_message(self, message, Py_ssize_t nbytes):
         """A message from the server: one of a unary call goes to its
