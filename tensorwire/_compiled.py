@@ -18,6 +18,14 @@ __all__ = ("MODULES", "require", "status")
 
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
 MODULES: tuple[str, ...] = (
+    "tensorwire._counters",
+    "tensorwire.rpc._calls",
+    "tensorwire.rpc._calls_in_flight",
+    "tensorwire.rpc._client_core",
+    "tensorwire.rpc._dispatch",
+    "tensorwire.rpc._driver_core",
+    "tensorwire.rpc._slots",
+    "tensorwire.rpc._wire",
     "tensorwire.transports._frame_table",
     "tensorwire.transports._stream_framing",
     "tensorwire.transports._stream_writes",

@@ -32,6 +32,7 @@ __all__ = (
     "Internal",
     "InvalidArgument",
     "LimitExceededError",
+    "LocalProtocolError",
     "MismatchError",
     "NotFound",
     "OutOfRange",
@@ -107,7 +108,14 @@ class LimitExceededError(TransportError):
 
 
 class ProtocolError(TensorwireError):
-    """The peer broke the wire protocol (bad prefix, version, framing)."""
+    """The peer broke the wire protocol (bad prefix, version, framing, or
+    the rules of a call: an ITEM beyond its credit, anything after END)."""
+
+
+class LocalProtocolError(ProtocolError):
+    """This side tried to send what the wire protocol forbids (a bug in the
+    caller, never the peer's doing): an ITEM without credit, a second
+    terminal message, anything after the call ended."""
 
 
 class Status(enum.IntEnum):

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._counters import Metrics
+from .._counters import Metrics, record_call
 from ..errors import (
     ConfigError,
     FailedPrecondition,
@@ -603,10 +603,8 @@ class PSClient:
             error = False
         finally:
             self._running -= 1
-            self._metrics[name].observe(time.perf_counter() - started, error)
-            if timeline is not None:
-                timeline.add_since(name, "ps", started, worker=self.worker, clock=clock,
-                                   error=error)
+            record_call(self._metrics[name], timeline, name, "ps", started, error,
+                        {"worker": self.worker, "clock": clock})
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """Per operation (push, pull, push_pull): calls, errors, bytes out and

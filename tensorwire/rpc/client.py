@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import collections.abc
 import contextlib
-import heapq
-import itertools
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Generator
-from heapq import heappush
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Generator
 from typing import Any, TypeAlias, TypeVar, cast, final
 
 from .. import serde
-from .._counters import MethodMetrics, Metrics
+from .._counters import MethodMetrics, Metrics, record_call
 from ..errors import (
-    ConfigError,
     DeadlineExceeded,
     LimitExceededError,
     ProtocolError,
@@ -30,6 +25,9 @@ from ..errors import (
 )
 from ..transports import connect as transport_connect
 from . import protocol
+from ._calls_in_flight import LONGEST, CallsInFlight, UnaryCall
+from ._client_core import ClientCore, sendable, split_stream
+from ._client_core import remote_error as _remote
 from ._connection_driver import ConnectionDriver
 from ._proxy import Proxy
 from ._slots import Slots
@@ -44,22 +42,10 @@ S = TypeVar("S")
 
 #: Seconds the client's own deadline timer waits past the deadline.
 _DEADLINE_GRACE = 0.05
-#: The longest timeout a request carries: a longer one, infinity included,
-#: is this (half the protocol's bound: "no deadline" for any practical use).
-_LONGEST = protocol.MAX_TIMEOUT / 2
-
-
-def _sendable(timeout: float) -> float:
-    """A call's timeout outside (0, _LONGEST), as its request can carry it:
-    none left is 0.0 (the call then fails before it is sent), a longer one
-    is ``_LONGEST``.
-
-    Raises:
-        ConfigError: the timeout is not a number of seconds (NaN).
-    """
-    if math.isnan(timeout):
-        raise ConfigError(f"a call's timeout must be a number of seconds, got {timeout!r}")
-    return 0.0 if timeout <= 0.0 else _LONGEST
+#: The longest timeout a request carries (see _calls_in_flight.LONGEST).
+_LONGEST = LONGEST
+_sendable = sendable
+_split_stream = split_stream
 
 
 def connect(address: str, *, config: ClientConfig | None = None, **options: Any) -> Client:
@@ -120,9 +106,9 @@ class _Pending:
             self.credit_event.set()
 
 
-#: What ``_ClientSession.pending`` holds for a call: a bare future for a plain
-#: unary call (the hot path: no object of ours per call), else a _Pending.
-_InFlight: TypeAlias = "asyncio.Future[tuple[protocol.Message, int]] | _Pending"
+#: What ``_ClientSession.pending`` holds for a call: a plain unary call's
+#: ``UnaryCall`` (compiled, with its CallState), else a _Pending.
+_InFlight: TypeAlias = "UnaryCall | _Pending"
 
 
 def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
@@ -136,48 +122,14 @@ class _ClientSession:
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self.pending: dict[int, _InFlight] = {}
-        self.ids = itertools.count(1)
         self.driver: ConnectionDriver | None = None
         self.loop = asyncio.get_running_loop()
         self.slots = Slots(1, self.loop)
         self.error: TensorwireError | None = None
-        # Deadlines of unary calls: one loop timer for the earliest instead
-        # of one per call (a timer costs several times a heap push). Entries
-        # of calls that ended stay until the heap grows past ``compact_at``.
-        # Client.call pushes here itself (a method call less per call).
-        self.deadlines: list[tuple[float, int]] = []
-        self.compact_at = 64
-        self.timer_at = math.inf
-        self._timer: asyncio.TimerHandle | None = None
-
-    def compact(self) -> None:
-        """Drop the deadlines of calls that ended."""
-        heap = self.deadlines
-        pending = self.pending
-        heap[:] = [entry for entry in heap if entry[1] in pending]
-        heapq.heapify(heap)
-        self.compact_at = 2 * len(heap) + 64
-
-    def arm(self, when: float) -> None:
-        """Wake up at ``when`` to expire the calls due then."""
-        if self._timer is not None:
-            self._timer.cancel()
-        self.timer_at = when
-        self._timer = self.loop.call_at(when, self._expire_due)
-
-    def _expire_due(self) -> None:
-        self._timer, self.timer_at = None, math.inf
-        heap = self.deadlines
-        now = self.loop.time()
-        while heap and heap[0][0] <= now:
-            _, call_id = heapq.heappop(heap)
-            pending = self.pending.get(call_id)
-            if pending is not None:
-                # The deadline passed: end the wait.
-                _fail(pending.future if type(pending) is _Pending else pending, TimeoutError())
-        if heap:
-            self.arm(heap[0][0])
+        # The calls in flight (compiled): RESPONSEs resolve their futures
+        # there; every other message comes to _on_message.
+        self.calls = CallsInFlight(self.loop, self._on_message)
+        self.pending: dict[int, _InFlight] = self.calls.pending
 
     async def open(self) -> None:
         config = self.client.config
@@ -199,7 +151,7 @@ class _ClientSession:
         self.slots = Slots(shake.max_concurrent or 1, self.loop)
         self.driver = ConnectionDriver(
             conn,
-            self._on_message,
+            self.calls.on_message,
             self._on_close,
             heartbeat_timeout=config.heartbeat_timeout,
             ping_interval=config.heartbeat_interval,
@@ -212,16 +164,23 @@ class _ClientSession:
     def alive(self) -> bool:
         return self.driver is not None and not self.driver.closed
 
+    async def acquire_slot(self, deadline: float) -> None:
+        """Wait, within the call's deadline, for one of the calls in flight
+        that the server allows (only a client with more calls than that
+        waits here).
+
+        Raises:
+            TimeoutError: the deadline passed first.
+            Unavailable: the connection was lost meanwhile.
+        """
+        async with asyncio.timeout_at(deadline):
+            await self.slots.acquire()
+        if self.error is not None:
+            self.slots.release()
+            raise Unavailable(f"connection to {self.client.address} lost: {self.error}")
+
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
-        if type(message) is protocol.Response:
-            # The hot path: a unary call's answer.
-            pending = self.pending.get(message.call_id)
-            if pending is not None:
-                if type(pending) is _Pending:
-                    pending.deliver(message, nbytes)
-                elif not pending.done():
-                    pending.set_result((message, nbytes))
-            return
+        """Every message but a unary call's RESPONSE (see ``calls``)."""
         if isinstance(message, protocol.Pong):
             return
         if not isinstance(
@@ -230,12 +189,8 @@ class _ClientSession:
         ):
             raise ProtocolError(f"a server may not send {message.kind.name}")
         pending = self.pending.get(message.call_id)
-        if pending is None:
-            return  # the call ended already (cancelled, timed out)
         if type(pending) is not _Pending:
-            if not isinstance(message, protocol.Credit) and not pending.done():
-                pending.set_result((message, nbytes))
-            return
+            return  # the call ended already (cancelled, timed out)
         if isinstance(message, protocol.Credit):
             pending.grant(message.count)
             return
@@ -253,7 +208,7 @@ class _ClientSession:
         exhausted = ResourceExhausted(
             f"a reply from {self.client.address} is beyond this client's limits: {error}")
         if type(pending) is not _Pending:
-            _fail(pending, exhausted)
+            self.calls.fail(message.call_id, exhausted)  # a unary call
             return
         if pending.items is None:
             pending.fail(exhausted)
@@ -276,22 +231,14 @@ class _ClientSession:
             lost = ResourceExhausted(f"connection to {self.client.address} dropped: {error}")
         else:
             lost = Unavailable(f"connection to {self.client.address} lost: {error}")
-        for pending in list(self.pending.values()):
-            if type(pending) is _Pending:
-                pending.fail(lost)
-            else:
-                _fail(pending, lost)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer, self.timer_at = None, math.inf
-        self.deadlines.clear()
+        self.calls.fail_all(lost)
 
     async def close(self) -> None:
         if self.driver is not None:
             await self.driver.close()
 
 
-class Client:
+class Client(ClientCore):
     """Calls methods on one server; many calls share one connection.
 
     Reconnects on the next call after the connection is lost; calls to
@@ -307,8 +254,6 @@ class Client:
         self._next_attempt = 0.0
         self._metrics = Metrics()
         self._closed = False
-        # The client's own codec (it runs on one event loop's thread): a
-        # call each way less than serde's per-thread functions.
         self._encoder = serde.Encoder()
         self._decoder = serde.Decoder()
 
@@ -428,146 +373,53 @@ class Client:
         """``call``, with its options by position: a typed proxy's method is
         this with them bound (``functools.partial``: no Python frame of its
         own, no keyword dict built for the options on every call)."""
-        # The request is queued without waiting: the answer cannot come
-        # before it has gone. A call that ends early (deadline, cancel) may
-        # leave its request still going out, so its arguments must stay
-        # unchanged until then, as with any send cut short. The session's
-        # deadline heap, not asyncio.timeout: this runs for every call, and a
-        # heap push costs a fraction of the context manager. One coroutine
-        # from here to the answer, attempts included: each level of awaiting
-        # costs on every call.
-        session = self._session
-        # _deadline(), inlined.
-        loop = session.loop if session is not None else asyncio.get_running_loop()
-        remaining = self.config.timeout if timeout is None else timeout
-        if not 0.0 < remaining < _LONGEST:
-            remaining = _sendable(remaining)
-        deadline = loop.time() + remaining
-        # Whether the call has waited (to connect, for a slot, to retry) and
-        # must work out anew how much of its time remains.
-        waited = False
-        for arg in args:
-            if type(arg) not in _PLAIN:
-                args, source, stream_arg = _split_stream(args)
-                break
-        else:  # the usual case, without _split_stream's calls
-            source, stream_arg = None, -1
-        # A list, not the tuple: msgpack packs a list in C, a tuple through
-        # a Python callback (the server takes either).
-        header, buffers = self._encoder.encode_nested([list(args), kwargs])
-        payload = [header, *buffers]
+        deadline = self._deadline(timeout)
+        args, source, stream_arg = _split_stream(args)
+        payload = self._encode_arguments(args, kwargs)
         metrics = self._metrics[method]
-        # Once, after losing the connection; never with a streamed argument.
-        retry = idempotent and source is None
-        while True:
-            started = time.perf_counter()
-            try:
-                session = self._session
-                # session.alive, inlined
-                driver = None if session is None else session.driver
-                if session is None or driver is None or driver.error is not None:
-                    session = await self._ready_by(deadline, method)
-                    driver = _driver(session)
-                    waited = True
-                error = True
+        retry = idempotent and source is None  # once, after losing the connection
+        started = time.perf_counter()
+        error = True
+        try:
+            while True:
+                session = self._connected() or await self._ready_by(deadline, method)
                 try:
-                    slots = session.slots
-                    if slots.free > 0 and not slots.waiters:  # try_acquire(), inlined
-                        slots.free -= 1
-                    else:
-                        # Only a client with more calls than the server allows
-                        # in flight waits here, and the deadline bounds the wait.
-                        async with asyncio.timeout_at(deadline):
-                            await slots.acquire()
-                        waited = True
-                        if session.error is not None:
-                            slots.release()
-                            raise Unavailable(
-                                f"connection to {self.address} lost: {session.error}")
+                    if not session.slots.try_acquire():
+                        await session.acquire_slot(deadline)
                     try:
-                        loop = session.loop
-                        if driver.reading_paused:
-                            await _until_drained(driver, deadline, method)
-                            waited = True
-                        if waited:
-                            remaining = deadline - loop.time()
-                        if remaining <= 0.0:
-                            # Not sent: a handler that cannot suspend would
-                            # still run, and answer after the deadline.
-                            raise DeadlineExceeded(
-                                f"{method}: the deadline passed before the call was sent")
-                        call_id = next(session.ids)
-                        pending: _InFlight
-                        if source is None:
-                            future = pending = loop.create_future()
-                        else:
-                            pending = _Pending(loop, False, metrics)
-                            future = pending.future
-                        session.pending[call_id] = pending
-                        # The server enforces the same deadline; waiting a
-                        # moment longer lets its DEADLINE_EXCEEDED, which says
-                        # where the time went, arrive first.
-                        expires = deadline + _DEADLINE_GRACE
-                        heap = session.deadlines
-                        heappush(heap, (expires, call_id))
-                        if len(heap) > session.compact_at:
-                            session.compact()
-                        if expires < session.timer_at:
-                            session.arm(expires)
-                        pump: asyncio.Task[None] | None = None
-                        try:
-                            metrics.bytes_out += driver.post_frames(protocol.encode_request(
-                                call_id, method, remaining, stream_arg, payload))
-                            if source is not None:
-                                assert type(pending) is _Pending
-                                pending.credit_event = asyncio.Event()
-                                pump = loop.create_task(
-                                    self._pump(session, call_id, pending, source))
-                            message, nbytes = await future
-                        except BaseException:
-                            self._cancel_remote(session, call_id)
-                            raise
-                        finally:
-                            session.pending.pop(call_id, None)
-                            if pump is not None:
-                                await _stop(pump)
+                        waiter, on_sent = (None, None) if source is None else \
+                            self._streaming_argument(session, source, metrics)
+                        message, nbytes = await session.calls.call(
+                            session.driver, method, deadline, stream_arg, payload, metrics,
+                            _DEADLINE_GRACE, waiter, on_sent)
                     finally:
-                        if slots.waiters:  # release(), inlined
-                            slots.release()
-                        else:
-                            slots.free += 1
-                    metrics.bytes_in += nbytes
-                    if type(message) is not protocol.Response:
-                        raise _unexpected(message, method)
-                    frames = message.value
-                    # Without an empty list of buffers: most answers are one frame.
-                    result = (self._decoder.decode(frames[0]) if len(frames) == 1
-                              else self._decoder.decode(frames[0], frames[1:]))
-                    error = False
-                    return result
-                except DeadlineExceeded:
-                    raise  # the server's own, with its message and traceback
-                except TimeoutError:
-                    raise DeadlineExceeded(
-                        f"{method} did not finish within its deadline") from None
-                finally:
-                    metrics.observe(time.perf_counter() - started, error)
-                    if self.config.timeline is not None:
-                        self.config.timeline.add_since(method, "rpc.client", started,
-                                                       error=error)
-            except Unavailable:
-                if not retry:
-                    raise
-                retry = False
-                waited = True
-                logger.info("retrying idempotent %s after losing the connection", method)
+                        session.slots.release()
+                except Unavailable:
+                    if not retry:
+                        raise
+                    retry = False
+                    logger.info("retrying idempotent %s after losing the connection", method)
+                    continue
+                result = self._result(message, nbytes, metrics, method)
+                error = False
+                return result
+        except DeadlineExceeded:
+            raise  # the server's own, with its message and traceback
+        except TimeoutError:
+            raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
+        finally:
+            record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
 
-    def _deadline(self, timeout: float | None) -> float:
-        session = self._session
-        # The session's loop when connected: get_running_loop() asks the OS
-        # for the pid on every call on Python 3.11.
-        loop = session.loop if session is not None else asyncio.get_running_loop()
-        return loop.time() + (self.config.timeout if timeout is None else timeout)
+    def _streaming_argument(
+        self, session: _ClientSession, source: AsyncIterable[Any], metrics: MethodMetrics,
+    ) -> tuple[_Pending, Callable[[int], asyncio.Task[None]]]:
+        """For a call with a streamed argument: its record, and what starts
+        sending the items once the call has its id."""
+        pending = _Pending(session.loop, False, metrics)
+        pending.credit_event = asyncio.Event()
+        return pending, lambda call_id: session.loop.create_task(
+            self._pump(session, call_id, pending, source))
+
     def stream(
         self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
@@ -646,9 +498,7 @@ class Client:
         except TimeoutError:
             raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
         finally:
-            metrics.observe(time.perf_counter() - started, error)
-            if self.config.timeline is not None:
-                self.config.timeline.add_since(method, "rpc.client", started, error=error)
+            record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
 
     async def _pump(
         self, session: _ClientSession, call_id: int, pending: _Pending, source: AsyncIterable[Any]
@@ -670,17 +520,12 @@ class Client:
             # The caller's iterable failed: end the call with that error.
             pending.fail(exc)
 
-    def _encode(self, value: Any) -> list[Any]:
-        header, buffers = self._encoder.encode(value)
-        return [header, *buffers]
-
     def _register(self, session: _ClientSession, metrics: MethodMetrics, *,
                   streaming: bool) -> tuple[int, _Pending]:
         if session.error is not None:
             raise Unavailable(f"connection to {self.address} lost: {session.error}")
-        call_id = next(session.ids)
         pending = _Pending(session.loop, streaming, metrics)
-        session.pending[call_id] = pending
+        call_id = session.calls.add(pending, math.inf)
         return call_id, pending
 
     def _cancel_remote(self, session: _ClientSession, call_id: int) -> None:
@@ -705,24 +550,6 @@ class Client:
         return result
 
 
-async def _until_drained(driver: ConnectionDriver, deadline: float, method: str) -> None:
-    """Wait, within the call's deadline, until the server has taken enough
-    of what this client sent (``TransportConfig.max_unsent_bytes``): a
-    server that does not read then holds the client's calls back instead of
-    growing its outbox.
-
-    Raises:
-        DeadlineExceeded: the deadline passed first (the call was not sent).
-        Unavailable: the connection was lost meanwhile.
-    """
-    try:
-        async with asyncio.timeout_at(deadline):
-            await driver.drained()
-    except TimeoutError:
-        raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent "
-                               f"(the server is not taking what was sent)") from None
-
-
 def _driver(session: _ClientSession) -> ConnectionDriver:
     driver = session.driver
     if driver is None:
@@ -735,38 +562,3 @@ async def _stop(task: asyncio.Task[None] | None) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-def _split_stream(
-    args: tuple[Any, ...],
-) -> tuple[tuple[Any, ...], AsyncIterable[Any] | None, int]:
-    """Take the async-iterable argument (if any) out of ``args``."""
-    index = _aiter_index(args)
-    if index < 0:
-        return args, None, -1
-    return args[:index] + args[index + 1 :], args[index], index
-
-
-#: Argument types that are never async iterables, checked first: the ABC's
-#: isinstance() costs several times a set lookup, for every argument.
-_PLAIN = frozenset({int, float, str, bytes, bool, type(None), list, tuple, dict})
-
-
-def _aiter_index(args: tuple[Any, ...]) -> int:
-    for index, arg in enumerate(args):
-        if type(arg) not in _PLAIN and isinstance(arg, collections.abc.AsyncIterable):
-            return index
-    return -1
-
-
-def _remote(message: protocol.Error) -> RemoteError:
-    cls = RemoteError.for_status(message.status, message.type_name)
-    return cls(message.message, type_name=message.type_name,
-               remote_traceback=message.traceback, details=message.details)
-
-
-def _unexpected(message: protocol.Message, method: str) -> Exception:
-    """What a unary call raises for an answer that is not a RESPONSE."""
-    if isinstance(message, protocol.Error):
-        return _remote(message)
-    return ProtocolError(f"unexpected {message.kind.name} for unary call {method}")

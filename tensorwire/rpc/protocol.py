@@ -15,15 +15,17 @@ import dataclasses
 import enum
 import hashlib
 import hmac
-import math
 import os
-import struct
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import msgpack
 
 from ..errors import ProtocolError, Status, Unauthenticated
+
+# The binary kinds are compiled (one implementation: see _wire.pyx).
+from ._wire import MAX_TIMEOUT as MAX_TIMEOUT
+from ._wire import encode_reply, encode_request, encode_response, parse_binary
 
 __all__ = (
     "RPC_VERSION",
@@ -46,6 +48,8 @@ __all__ = (
     "ServerHandshake",
     "Welcome",
     "encode",
+    "encode_request",
+    "encode_response",
     "parse",
 )
 
@@ -56,28 +60,11 @@ NONCE_BYTES = 16
 #: A msgpack RPC header is a handful of small fields; anything larger is
 #: hostile. (A value's serde header has the serde limits.)
 MAX_HEADER_BYTES = 64 * 1024
-#: REQUEST: kind, flags, method length, stream_arg, call_id, timeout; then
-#: the method name (UTF-8) and the serde header.
-_REQUEST = struct.Struct("<BBHiQd")
-_REQUEST_SIZE = _REQUEST.size
-#: RESPONSE and ITEM: kind, three reserved zero bytes, reserved zero u32,
-#: call_id; then the serde header.
-_REPLY = struct.Struct("<BBHIQ")
-_REPLY_SIZE = _REPLY.size
-#: The same read as two words: the first is the kind alone exactly when the
-#: reserved fields are zero.
-_REPLY_WORDS = struct.Struct("<QQ")
-#: A bytearray frame up to this size is parsed by slicing (copies), larger
-#: ones through a memoryview.
-_SLICE_MAX = 4096
-_HAS_TIMEOUT = 1
 #: ERROR's message and traceback are cut to this many characters each, so
 #: that a huge exception text cannot push a header past MAX_HEADER_BYTES.
 MAX_ERROR_TEXT = 16 * 1024
 #: The most bytes ERROR.details may take, packed; larger details stay behind.
 MAX_ERROR_DETAILS = 16 * 1024
-#: A REQUEST's timeout is below this many seconds (about 31 years).
-MAX_TIMEOUT = 10.0**9
 
 
 class Kind(enum.IntEnum):
@@ -235,7 +222,6 @@ _CLASSES: dict[int, type[Message]] = {
 #: The kinds with a binary header and a value (no msgpack header starts with
 #: these bytes: a msgpack header is an array).
 _BINARY = frozenset({Kind.REQUEST, Kind.RESPONSE, Kind.ITEM})
-_REQUEST_KIND, _RESPONSE, _ITEM = int(Kind.REQUEST), int(Kind.RESPONSE), int(Kind.ITEM)
 #: Field name -> the Python types a peer may send for it.
 _TYPES: dict[str, tuple[type, ...]] = {
     "version": (int,),
@@ -259,8 +245,7 @@ def encode(message: Message) -> list[Any]:
     """The transport frames of ``message``."""
     cls = type(message)
     if cls is Response or cls is Item:
-        value = message.value  # type: ignore[attr-defined]
-        return [_REPLY.pack(cls.kind, 0, 0, 0, message.call_id) + value[0], *value[1:]]
+        return encode_reply(cls.kind, message.call_id, message.value)  # type: ignore[attr-defined]
     if cls is Request:
         assert isinstance(message, Request)
         return encode_request(message.call_id, message.method, message.timeout,
@@ -282,64 +267,6 @@ def sendable_details(details: dict[str, Any]) -> dict[str, Any] | None:
     return details if len(packed) <= MAX_ERROR_DETAILS else None
 
 
-def encode_request(call_id: int, method: str, timeout: float | None, stream_arg: int,
-                   value: list[Any]) -> list[Any]:
-    """The frames of ``Request(call_id, method, timeout, stream_arg, value)``,
-    without making the message (the client's hot path)."""
-    name = method.encode()
-    length = len(name)
-    if length > 0xFFFF:
-        raise ProtocolError(f"method name of {length} bytes exceeds 65535")
-    head = _REQUEST.pack(
-        _REQUEST_KIND,
-        0 if timeout is None else _HAS_TIMEOUT,
-        length,
-        stream_arg,
-        call_id,
-        0.0 if timeout is None else timeout,
-    )
-    return [head + name + value[0], *value[1:]]
-
-
-def encode_response(call_id: int, value: list[Any]) -> list[Any]:
-    """The frames of ``Response(call_id, value)``, without making the
-    message (the server's hot path)."""
-    return [_REPLY.pack(_RESPONSE, 0, 0, 0, call_id) + value[0], *value[1:]]
-
-
-def _parse_request(view: memoryview | bytearray, frames: Sequence[Any]) -> Request:
-    """REQUEST: the fixed header, the method name, then the serde header."""
-    size = len(view)
-    if size < _REQUEST_SIZE:
-        raise ProtocolError(f"REQUEST header of {size} bytes is cut short")
-    _, flags, length, stream_arg, call_id, timeout = _REQUEST.unpack_from(view)
-    start = _REQUEST_SIZE + length
-    if flags & ~_HAS_TIMEOUT:
-        raise ProtocolError(f"unknown REQUEST flags {flags:#x}")
-    if stream_arg < -1:
-        raise ProtocolError(f"bad REQUEST stream_arg {stream_arg}")
-    if flags:
-        # NaN would corrupt the server's timer heap; negative or infinite
-        # deadlines have no meaning.
-        if not (0 <= timeout < MAX_TIMEOUT):
-            raise ProtocolError(f"REQUEST timeout must be finite and >= 0, got {timeout!r}")
-    elif timeout != 0 or math.copysign(1, timeout) < 0:
-        raise ProtocolError("REQUEST without a timeout must carry 0.0 there")
-    if size <= start:
-        raise ProtocolError("REQUEST without its value")
-    try:
-        method = str(view[_REQUEST_SIZE : start], "utf-8")
-    except UnicodeDecodeError:
-        raise ProtocolError("REQUEST method name is not UTF-8") from None
-    if not 0 < call_id < 1 << 63:
-        # 0 is the connection's own (HELLO, PING, ...), never a call's.
-        raise ProtocolError(f"bad call id {call_id} for a REQUEST (0 is reserved)")
-    value = [view[start:]]
-    if len(frames) > 1:
-        value += frames[1:]
-    return Request(call_id, method, timeout if flags else None, stream_arg, value)
-
-
 def parse(frames: Sequence[Any]) -> Message:
     """Parse one transport message into an RPC message.
 
@@ -347,48 +274,13 @@ def parse(frames: Sequence[Any]) -> Message:
         ProtocolError: no frames, a malformed header, an unknown kind, wrong
             field types, or a value where none belongs.
     """
-    if len(frames) == 1:
-        raw = frames[0]
-        if type(raw) is bytearray and _REPLY_SIZE < len(raw) <= _SLICE_MAX:
-            # The hot case: a small message as the transports deliver it.
-            prelude, call_id = _REPLY_WORDS.unpack_from(raw)
-            if prelude == _RESPONSE and call_id < 1 << 63:
-                # A well-formed RESPONSE header (reserved fields zero): the
-                # checks below in one comparison.
-                return Response(call_id, [raw[_REPLY_SIZE:]])
-            if prelude & 0xFF == _REQUEST_KIND:
-                return _parse_request(raw, frames)
-    elif not frames:
+    if not frames:
         raise ProtocolError("empty RPC message")
+    binary = parse_binary(frames)
+    if binary is not None:
+        return binary
     raw = frames[0]
-    view: Any
-    if type(raw) is bytearray and (size := len(raw)) <= _SLICE_MAX:
-        # A small frame as the transports deliver it to the RPC layer:
-        # slices of it are cheap copies, where memoryviews cost more.
-        view = raw
-    else:
-        view = memoryview(raw)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        size = len(view)
-    if size:
-        kind = view[0]
-        if kind in (_RESPONSE, _ITEM):
-            # A reply: the fixed header, then the serde header (here, not in
-            # a function of its own: this runs for every call).
-            if size <= _REPLY_SIZE:
-                raise ProtocolError(f"{Kind(kind).name} without its value")
-            prelude, call_id = _REPLY_WORDS.unpack_from(view)
-            if prelude != kind:
-                raise ProtocolError(f"nonzero reserved bytes in a {Kind(kind).name} header")
-            if call_id >= 1 << 63:
-                raise ProtocolError(f"bad call id {call_id}")
-            value = [view[_REPLY_SIZE:]]
-            if len(frames) > 1:
-                value += frames[1:]
-            return Response(call_id, value) if kind == _RESPONSE else Item(call_id, value)
-        if kind == _REQUEST_KIND:
-            return _parse_request(view, frames)
+    size = memoryview(raw).nbytes
     if size > MAX_HEADER_BYTES:
         raise ProtocolError(f"RPC header of {size} bytes exceeds {MAX_HEADER_BYTES}")
     try:

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import dis
 import inspect
 import logging
-import time
-import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -19,21 +15,27 @@ from .._counters import MethodMetrics, Metrics
 from ..errors import (
     ConfigError,
     ConnectionClosedError,
-    DeadlineExceeded,
-    Internal,
     InvalidArgument,
     LimitExceededError,
     NotFound,
     ProtocolError,
-    RemoteError,
     ResourceExhausted,
     Status,
     TensorwireError,
-    Unavailable,
 )
 from ..transports import Connection, Listener, listen
 from . import protocol
 from ._connection_driver import ConnectionDriver
+from ._dispatch import (
+    RequestDispatch,
+    ServerCall,
+    check_arguments,
+    error_message,
+    unpack_arguments,
+)
+from ._dispatch import (
+    encode_value as _encode,
+)
 from ._slots import Slots
 from .config import ServerConfig
 from .service import (
@@ -277,7 +279,11 @@ class _ServerSession:
         # Requests skipped while the handshake was answered.
         self._refused_early = refused
         self.calls: dict[int, _Call] = {}
-        self.driver = ConnectionDriver(conn, self._on_message, self._on_close,
+        # REQUESTs start their calls in RequestDispatch (compiled); the rest
+        # comes to _on_message. Only the driver holds it, and lets go of it
+        # when closed (no cycle: issue 21).
+        dispatch = RequestDispatch(self, self._on_message, _Call)
+        self.driver = ConnectionDriver(conn, dispatch.on_message, self._on_close,
                                heartbeat_timeout=server.config.heartbeat_timeout,
                                on_refused=self._on_refused,
                                max_unsent=server.config.transport.max_unsent_bytes)
@@ -297,17 +303,18 @@ class _ServerSession:
         try:
             await self._done.wait()
         finally:
-            for call in list(self.calls.values()):
-                call.task.cancel()
-            await asyncio.gather(*(c.task for c in list(self.calls.values())),
-                                 return_exceptions=True)
+            tasks = self.call_tasks()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.driver.close()
 
     def stop_new_calls(self) -> None:
         self._accepting = False
 
     def call_tasks(self) -> list[asyncio.Task[None]]:
-        return [call.task for call in self.calls.values()]
+        # Only calls that run in a task of their own are kept (_dispatch.start_call).
+        return [call.task for call in self.calls.values() if call.task is not None]
 
     async def close(self) -> None:
         self._done.set()
@@ -317,9 +324,7 @@ class _ServerSession:
         self._done.set()
 
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
-        if type(message) is protocol.Request:
-            self._start(message, nbytes)
-            return
+        """Every message but a REQUEST (see ``_dispatch``)."""
         call = self.calls.get(message.call_id)
         if isinstance(message, protocol.Ping):
             self.driver.send_soon(protocol.Pong(0))
@@ -328,7 +333,7 @@ class _ServerSession:
                 # The client freed its slot already: stop counting the call
                 # now, not when its handler has finished cleaning up.
                 self.calls.pop(message.call_id, None)
-                call.task.cancel()
+                call.cancel()
         elif isinstance(message, protocol.Item | protocol.End):
             # Late items for a call that already ended are dropped.
             if call is not None and call.instream is not None:
@@ -350,94 +355,17 @@ class _ServerSession:
                 handler.metrics.observe(0.0, True)
             exhausted = ResourceExhausted(
                 f"the request to {message.method} is beyond this server's limits: {error}")
-            self.driver.send_soon(_error_message(message.call_id, exhausted))
+            self.driver.send_soon(error_message(message.call_id, exhausted))
         elif isinstance(message, protocol.Item):
             call = self.calls.pop(message.call_id, None)
             if call is not None:
-                call.task.cancel()
+                call.cancel()
                 exhausted = ResourceExhausted(
                     f"a stream item is beyond this server's limits: {error}")
-                self.driver.send_soon(_error_message(message.call_id, exhausted))
+                self.driver.send_soon(error_message(message.call_id, exhausted))
         else:
             # No call to blame: the connection cannot go on sensibly.
             raise error
-
-    def _start(self, request: protocol.Request, nbytes: int) -> None:
-        call_id = request.call_id
-        calls = self.calls
-        if call_id in calls:
-            raise ProtocolError(f"call id {call_id} is already in use")
-        if not self._accepting or len(calls) >= self._limit:
-            error: RemoteError = (
-                Unavailable("the server is shutting down") if not self._accepting
-                else ResourceExhausted(f"more than {self._limit} calls in flight on one connection")
-            )
-            self.driver.send_soon(_error_message(call_id, error))
-            return
-        handler = self._handlers.get(request.method)
-        slots = self._slots
-        if (handler is not None and handler.inline and request.stream_arg < 0
-                and slots.free > 0 and not slots.waiters):  # slots.try_acquire(), inlined
-            slots.free -= 1
-            self._run_inline(handler, request, nbytes, slots)
-            return
-        call = _Call(self, request, nbytes)
-        self.calls[call_id] = call
-        call.task.add_done_callback(call.forget)
-
-
-    def _run_inline(self, handler: _Handler, request: protocol.Request, nbytes: int,
-                    slots: Slots) -> None:
-        """Run a handler that cannot suspend, here and now (see ``_Handler``)."""
-        started = time.perf_counter()
-        metrics = handler.metrics
-        metrics.bytes_in += nbytes
-        failed = True
-        reply: list[Any] | None  # its frames
-        try:
-            try:
-                args, kwargs = _unpack_arguments(request, handler, self._decoder)
-                try:  # _check_arguments, inlined
-                    handler.check(args, kwargs)
-                except TypeError as exc:
-                    raise _invalid_arguments(handler, exc) from None
-                # Without an empty keyword dict copied into the call.
-                coro = handler.func(*args, **kwargs) if kwargs else handler.func(*args)
-                try:
-                    # A context of its own, as a task would have.
-                    contextvars.copy_context().run(coro.send, None)
-                except StopIteration as stop:
-                    result = stop.value
-                else:
-                    coro.close()
-                    raise RuntimeError(f"{handler.name} suspended, though it has no await")
-                try:  # _encode(), inlined
-                    header, buffers = self._encoder.encode(result)
-                except serde.EncodeError as exc:
-                    raise _unencodable(handler.name, exc) from None
-                reply = protocol.encode_response(request.call_id, [header, *buffers])
-                failed = False
-            finally:
-                if slots.waiters:  # release(), inlined
-                    slots.release()
-                else:
-                    slots.free += 1
-        except asyncio.CancelledError:
-            reply = None  # a handler that cancels itself gets no reply, as in a task
-        except Exception as exc:
-            if not isinstance(exc, RemoteError):
-                logger.debug("%s raised", request.method, exc_info=exc)
-            reply = protocol.encode(_error_message(request.call_id, exc))
-        finally:
-            metrics.observe(time.perf_counter() - started, failed)
-            if self._timeline is not None:
-                self._timeline.add_since(request.method, "rpc.server", started, error=failed)
-        if reply is not None:
-            # Not contextlib.suppress: three Python calls more, every call.
-            try:  # noqa: SIM105
-                metrics.bytes_out += self.driver.post_frames(reply)
-            except Unavailable:
-                pass  # the connection is gone: nobody to answer
 
 
 class _InStream:
@@ -483,46 +411,6 @@ class _InStream:
         return _decode(message.value, "stream item", self._call.session._decoder)
 
 
-def _unpack_arguments(
-    request: protocol.Request, handler: _Handler, decoder: serde.Decoder
-) -> tuple[list[Any], dict[str, Any]]:
-    frames = request.value
-    try:
-        # Without an empty list of buffers: most requests are one frame.
-        value = (decoder.decode(frames[0]) if len(frames) == 1
-                 else decoder.decode(frames[0], frames[1:]))
-    except serde.DecodeError as exc:
-        raise InvalidArgument(f"the arguments of {handler.name} do not decode: {exc}") from None
-    if type(value) is list and len(value) == 2:
-        # What our client sends, checked without isinstance calls.
-        args, kwargs = value
-        if type(args) is list and type(kwargs) is dict:
-            return args, kwargs
-    # isinstance with a tuple of types: a union (list | tuple) is built anew
-    # on every call.
-    if (
-        not isinstance(value, (list, tuple))
-        or len(value) != 2
-        or not isinstance(value[0], (list, tuple))
-        or not isinstance(value[1], dict)
-    ):
-        raise InvalidArgument("a request's value must be [args, kwargs]")
-    args = value[0]
-    return args if type(args) is list else list(args), value[1]
-
-
-def _check_arguments(handler: _Handler, args: list[Any], kwargs: dict[str, Any]) -> None:
-    try:
-        handler.check(args, kwargs)
-    except TypeError as exc:
-        raise _invalid_arguments(handler, exc) from None
-
-
-def _invalid_arguments(handler: _Handler, error: TypeError) -> InvalidArgument:
-    shown = signature_text(handler.info.signature)
-    return InvalidArgument(f"arguments do not fit {handler.name}{shown}: {error}")
-
-
 def _never_suspends(func: Callable[..., Any]) -> bool:
     """True for a coroutine function whose body has no ``await``, ``async
     with`` or ``async for``: every suspension point compiles to YIELD_VALUE."""
@@ -539,149 +427,25 @@ def _decode(frames: list[Any], what: str, decoder: serde.Decoder) -> Any:
         raise InvalidArgument(f"{what} does not decode: {exc}") from None
 
 
-def _error_message(call_id: int, error: BaseException) -> protocol.Error:
-    details = None
-    if isinstance(error, RemoteError):
-        status, type_name, message = int(error.status), error.type_name, error.message
-        trace = error.remote_traceback or (_format(error) if error.sends_traceback else "")
-        if error.details:
-            details = protocol.sendable_details(error.details)
-            if details is None:
-                logger.warning("the details of %s are not sent: not plain values, or over "
-                               "%d bytes", type_name, protocol.MAX_ERROR_DETAILS)
-    else:
-        status, type_name, message = int(Status.INTERNAL), type(error).__qualname__, str(error)
-        trace = _format(error)
-    return protocol.Error(call_id, status, _clip(type_name, 256), _clip(message),
-                          _clip(trace, keep_end=True), details)
+class _Call(ServerCall):
+    """One call running on the server: ``ServerCall`` (compiled), with its
+    streams' credit."""
 
-
-def _clip(text: str, limit: int = protocol.MAX_ERROR_TEXT, *, keep_end: bool = False) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was cut.
-
-    A message keeps its start; a traceback its end, where the error is.
-    """
-    if len(text) <= limit:
-        return text
-    keep = limit - 64  # room for the note, which is shorter than 64 characters
-    note = f" ... [{len(text) - keep} characters cut] ... "
-    return note + text[-keep:] if keep_end else text[:keep] + note
-
-
-def _format(error: BaseException) -> str:
-    return "".join(traceback.format_exception(error))
-
-
-class _Call:
-    """One call running on the server."""
-
-    def __init__(self, session: _ServerSession, request: protocol.Request, nbytes: int) -> None:
-        self.session = session
-        self.call_id = request.call_id
-        self.request = request
-        self.request_bytes = nbytes
-        self._credit = 0
-        self._credit_event: asyncio.Event | None = None
-        self.instream: _InStream | None = None
-        self.metrics: MethodMetrics | None = None
-        self._expired = False
-        # The session's loop, not get_running_loop(): on Python 3.11 that asks
-        # the OS for the pid every time, and this runs for every call.
-        self._loop = session.driver.loop
-        self.task = self._loop.create_task(self._run())
+    _credit = 0
+    _credit_event: asyncio.Event | None = None
 
     def grant(self, count: int) -> None:
         self._credit += max(0, count)
         if self._credit_event is not None:
             self._credit_event.set()
 
-    def _expire(self) -> None:
-        self._expired = True
-        self.forget()
-        self.task.cancel()
-
-    def forget(self, _: object = None) -> None:
-        """Stop counting this call against the connection's limit."""
-        calls = self.session.calls
-        if calls.get(self.call_id) is self:
-            del calls[self.call_id]
-
-    def count_in(self, nbytes: int) -> None:
-        if self.metrics is not None:
-            self.metrics.bytes_in += nbytes
-
     async def _send(self, message: protocol.Message) -> None:
         sent = await self.session.driver.send(message)
         if self.metrics is not None:
             self.metrics.bytes_out += sent
 
-    async def _run(self) -> None:
-        server = self.session.server
-        request = self.request
-        started = time.perf_counter()
-        failed = True
-        reply: protocol.Message | None = None
-        try:
-            handler = server._handler(request.method)
-            self.metrics = handler.metrics
-            self.count_in(self.request_bytes)
-            slots = server._slots
-            assert slots is not None
-            if not slots.try_acquire():
-                await slots.acquire()
-            try:
-                args, kwargs = self._arguments(handler)
-                # A timer on the loop rather than asyncio.timeout(): this runs
-                # for every call, and the timer is a fraction of the cost.
-                timer = None
-                if request.timeout is not None:
-                    timer = self._loop.call_later(request.timeout, self._expire)
-                try:
-                    if handler.info.streaming:
-                        await self._stream(handler, args, kwargs)
-                    else:
-                        result = await handler.func(*args, **kwargs)
-                        encoder = self.session._encoder
-                        reply = protocol.Response(self.call_id,
-                                                  _encode(result, handler.name, encoder))
-                except asyncio.CancelledError:
-                    if not self._expired or self.task.uncancel() > 0:
-                        raise
-                    raise DeadlineExceeded(
-                        f"{request.method} did not finish within its deadline "
-                        f"of {request.timeout:.3g} s"
-                    ) from None
-                finally:
-                    if timer is not None:
-                        timer.cancel()
-            finally:
-                slots.release()
-            failed = False
-        except asyncio.CancelledError:
-            # Never swallowed; a cancel from the client needs no reply.
-            raise
-        except Exception as exc:
-            if not isinstance(exc, RemoteError):
-                logger.debug("%s raised", request.method, exc_info=exc)
-            reply = _error_message(self.call_id, exc)
-        finally:
-            if self.metrics is not None:
-                self.metrics.observe(time.perf_counter() - started, failed)
-            timeline = self.session._timeline
-            if timeline is not None:
-                timeline.add_since(self.request.method, "rpc.server", started, error=failed)
-        # The call's slot is free, and its metrics complete, before the
-        # client has its answer and may send the next call.
-        self.forget()
-        if reply is not None:
-            # Queued without waiting: the reply holds its own frames.
-            with contextlib.suppress(Unavailable):
-                sent = self.session.driver.post(reply)
-                if self.metrics is not None:
-                    self.metrics.bytes_out += sent
-
     def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
-        args, kwargs = _unpack_arguments(self.request, handler, self.session._decoder)
+        args, kwargs = unpack_arguments(self.request, handler, self.session._decoder)
         stream_arg = self.request.stream_arg
         if stream_arg >= 0:
             if stream_arg > len(args):
@@ -689,7 +453,7 @@ class _Call:
             window = self.session.server.config.stream_window
             self.instream = _InStream(self, window)
             args.insert(stream_arg, self.instream)
-        _check_arguments(handler, args, kwargs)
+        check_arguments(handler, args, kwargs)
         if self.instream is not None:
             self.session.driver.send_soon(protocol.Credit(self.call_id, self.instream.window))
         return args, kwargs
@@ -708,16 +472,3 @@ class _Call:
         finally:
             await generator.aclose()
         await self._send(protocol.End(self.call_id))
-
-
-def _encode(value: Any, method_name: str, encoder: serde.Encoder) -> list[Any]:
-    try:
-        header, buffers = encoder.encode(value)
-    except serde.EncodeError as exc:
-        raise _unencodable(method_name, exc) from None
-    return [header, *buffers]
-
-
-def _unencodable(method_name: str, error: serde.EncodeError) -> Internal:
-    return Internal(f"the result of {method_name} cannot be encoded: {error}")
-

@@ -1,3 +1,4 @@
+# cython: language_level=3
 """Per-name metrics: counts, bytes, latency percentiles and histogram.
 
 RPC methods (client and server) and collective operations keep theirs in
@@ -10,13 +11,10 @@ the exported histogram (:data:`HISTOGRAM_EDGES`, 4 per decade), so its
 counts are exact: processes' histograms add up, where percentiles cannot.
 """
 
-from __future__ import annotations
-
 import bisect
-import dataclasses
-from typing import Any
+import time
 
-__all__ = ("HISTOGRAM_EDGES", "MethodMetrics", "Metrics")
+__all__ = ("HISTOGRAM_EDGES", "MethodMetrics", "Metrics", "record_call")
 
 _PER_DECADE = 16
 _LOW = 1e-6
@@ -30,32 +28,39 @@ _EXPORT_EVERY = 4
 HISTOGRAM_EDGES = tuple(_EDGES[_EXPORT_EVERY - 1::_EXPORT_EVERY])
 
 
-@dataclasses.dataclass(slots=True)
-class MethodMetrics:
-    """Counters of one method."""
+cdef object _bisect_left = bisect.bisect_left
+cdef object _perf_counter = time.perf_counter
 
-    errors: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
+
+cdef class MethodMetrics:
+    """Counters of one method (compiled: every call of every method updates
+    them)."""
+
+    cdef public Py_ssize_t errors
+    cdef public Py_ssize_t bytes_in
+    cdef public Py_ssize_t bytes_out
     #: The sum of every latency observed, a histogram's ``_sum``.
-    seconds: float = 0.0
-    buckets: list[int] = dataclasses.field(default_factory=lambda: [0] * _BUCKETS)
+    cdef public double seconds
+    cdef public list buckets
+
+    def __init__(self):
+        self.buckets = [0] * _BUCKETS
 
     @property
-    def calls(self) -> int:
+    def calls(self):
         """Calls observed: every one is in exactly one latency bucket (a
         count of its own would cost every call an increment)."""
         return sum(self.buckets)
 
-    def observe(self, seconds: float, error: bool) -> None:
+    cpdef void observe(self, double seconds, bint error) except *:
         # bisect_left: a latency equal to an edge counts below it, as a
         # Prometheus bucket includes its upper bound ("le").
-        self.buckets[bisect.bisect_left(_EDGES, seconds)] += 1
+        self.buckets[_bisect_left(_EDGES, seconds)] += 1
         self.seconds += seconds
         if error:
             self.errors += 1
 
-    def percentile(self, q: float) -> float | None:
+    def percentile(self, double q):
         """Latency at quantile ``q`` (0..1), in seconds; None before any call."""
         total = sum(self.buckets)
         if not total:
@@ -69,12 +74,12 @@ class MethodMetrics:
                 return float(_LOW * 10 ** ((index + 0.5) / _PER_DECADE))
         return None
 
-    def histogram(self) -> list[list[float]]:
+    def histogram(self):
         """``[[le, count], ...]``: calls that took at most ``le`` seconds, at
         the :data:`HISTOGRAM_EDGES` where the count grows (the others repeat
         the count before them; calls past the last edge count only in
         ``calls``)."""
-        found: list[list[float]] = []
+        found = []
         total = sum(self.buckets)
         seen = 0
         for index, le in enumerate(HISTOGRAM_EDGES):
@@ -87,7 +92,7 @@ class MethodMetrics:
                 found.append([le, seen])
         return found
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self):
         return {
             "calls": self.calls,
             "errors": self.errors,
@@ -101,15 +106,25 @@ class MethodMetrics:
         }
 
 
-class Metrics(dict[str, MethodMetrics]):
+class Metrics(dict):
     """Metrics of every method seen, by name; ``metrics[name]`` makes them
     on first use (a dict: a lookup of a known name runs no Python code)."""
 
-    def __missing__(self, name: str) -> MethodMetrics:
+    def __missing__(self, name):
         found = self[name] = MethodMetrics()
         return found
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
+    def snapshot(self):
         """``{method: {calls, errors, bytes_in, bytes_out, p50, p90, p99, seconds,
         histogram}}``."""
         return {name: m.snapshot() for name, m in sorted(self.items())}
+
+
+cpdef void record_call(MethodMetrics metrics, object timeline, str name, str category,
+                       double started, bint error, dict args=None) except *:
+    """Count a call (or operation) that began at ``started`` (a
+    ``time.perf_counter()`` reading) and has just ended in ``metrics``, and
+    add its span to ``timeline`` when there is one, with ``args``."""
+    metrics.observe(_perf_counter() - started, error)
+    if timeline is not None:
+        timeline.add_since(name, category, started, error=error, **(args or {}))

@@ -1,62 +1,61 @@
-"""A counting semaphore for the per-call path."""
-
-from __future__ import annotations
+# cython: language_level=3
+"""A counting semaphore for the per-call path, compiled (both roles take
+and give back a slot on every call)."""
 
 import asyncio
-import contextlib
 from collections import deque
 
-__all__ = ("Slots",)
+cdef object _CancelledError = asyncio.CancelledError
 
 
-class Slots:
+cdef class Slots:
     """Up to ``count`` holders at once; the others wait, first come first served.
 
     ``asyncio.Semaphore`` costs a coroutine, a context manager and a scan of
     its waiters on every acquire; here an uncontended ``try_acquire()`` is
-    one method call, which matters on a path run for every call. The RPC's
-    per-call paths inline even that, reading ``free`` and ``waiters``:
-    ``if slots.free > 0 and not slots.waiters: slots.free -= 1`` is
-    ``try_acquire()``, and ``if slots.waiters: slots.release()`` else
-    ``slots.free += 1`` is ``release()``.
+    one C call, which matters on a path run for every call.
     """
 
-    __slots__ = ("_loop", "free", "waiters")
+    cdef public Py_ssize_t free
+    cdef object _loop
+    cdef readonly object waiters
 
-    def __init__(self, count: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, Py_ssize_t count, loop):
         self.free = count
         self._loop = loop
-        self.waiters: deque[asyncio.Future[None]] = deque()
+        self.waiters = deque()
 
-    def locked(self) -> bool:
+    cpdef bint locked(self):
         """True when an acquire would wait."""
         return self.free <= 0 or bool(self.waiters)
 
-    def try_acquire(self) -> bool:
+    cpdef bint try_acquire(self):
         """Take a slot if one is free and nobody waits for it."""
         if self.free > 0 and not self.waiters:
             self.free -= 1
             return True
         return False
 
-    async def acquire(self) -> None:
+    async def acquire(self):
         """Take a slot, waiting in line for one."""
         if self.try_acquire():
             return
-        waiter: asyncio.Future[None] = self._loop.create_future()
+        waiter = self._loop.create_future()
         self.waiters.append(waiter)
         try:
             await waiter
-        except asyncio.CancelledError:
+        except _CancelledError:
             if waiter.done() and not waiter.cancelled():
                 # The slot was handed over as the cancel landed: pass it on.
                 self.release()
             else:
-                with contextlib.suppress(ValueError):
+                try:
                     self.waiters.remove(waiter)
+                except ValueError:
+                    pass
             raise
 
-    def release(self) -> None:
+    cpdef void release(self) except *:
         """Give a slot back: to the first in line, if anyone waits."""
         while self.waiters:
             waiter = self.waiters.popleft()

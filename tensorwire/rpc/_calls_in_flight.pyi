@@ -1,0 +1,38 @@
+"""Stub of the compiled ``_calls_in_flight`` module (see _calls_in_flight.pyx)."""
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from .._counters import MethodMetrics
+from ._calls import CallState
+from ._driver_core import DriverCore
+from .protocol import Message
+
+LONGEST: float
+
+class UnaryCall:
+    future: asyncio.Future[tuple[Message, int]]
+    state: CallState
+    def __init__(self, future: asyncio.Future[tuple[Message, int]]) -> None: ...
+
+class CallsInFlight:
+    pending: dict[int, Any]
+    deadlines: list[tuple[float, int]]
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 on_other: Callable[[Message, int], None]) -> None: ...
+    def add(self, waiter: Any, expires: float) -> int: ...
+    def request(self, driver: DriverCore, method: str, deadline: float, stream_arg: int,
+                payload: list[Any], waiter: Any, metrics: MethodMetrics,
+                grace: float) -> int: ...
+    async def call(self, driver: DriverCore | None, method: str, deadline: float, stream_arg: int,
+                   payload: list[Any], metrics: MethodMetrics, grace: float,
+                   waiter: Any = None,
+                   on_sent: Callable[[int], asyncio.Task[None]] | None = None,
+                   ) -> tuple[Message, int]: ...
+    def on_message(self, message: Message, nbytes: int) -> None: ...
+    def fail(self, call_id: int, error: BaseException) -> bool: ...
+    def fail_all(self, error: BaseException) -> None: ...
+    def _expire_due(self) -> None: ...
+
+async def until_drained(driver: Any, deadline: float, method: str) -> None: ...

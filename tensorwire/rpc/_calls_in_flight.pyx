@@ -1,0 +1,273 @@
+# cython: language_level=3
+"""The client's calls in flight on one connection, compiled: call id -> what
+waits for the answer, the REQUEST that starts a call, the RESPONSE that
+resolves it, and the calls' deadlines on one loop timer.
+
+A plain unary call is a ``UnaryCall`` here: its future, resolved with
+``(message, nbytes)``, and its ``CallState`` (``_calls``), which every
+message of the call goes through. Any other waiter (a stream's record, see
+``client._Pending``) has a ``future`` and a ``fail(error)`` and gets its
+messages from the session's ``on_other``, as does every message that
+belongs to no unary call.
+"""
+
+cimport cython
+
+from ._calls cimport CallState
+
+import asyncio
+from heapq import heapify, heappop, heappush
+
+from ..errors import DeadlineExceeded, Unavailable
+from . import protocol
+from ._calls import CLIENT, EXPIRED
+from ._wire import encode_request
+
+cdef object _Response = protocol.Response
+cdef int _CLIENT = CLIENT
+cdef int _EXPIRED = EXPIRED
+cdef int _REQUEST = protocol.Kind.REQUEST
+cdef int _RESPONSE = protocol.Kind.RESPONSE
+cdef int _CANCEL = protocol.Kind.CANCEL
+cdef object _Cancel = protocol.Cancel
+cdef object _CancelledError = asyncio.CancelledError
+cdef object _timeout_at = asyncio.timeout_at
+
+#: The longest timeout a request carries: a longer one, infinity included,
+#: is this (half the protocol's bound: "no deadline" for any practical use).
+LONGEST = protocol.MAX_TIMEOUT / 2
+cdef double _LONGEST = LONGEST
+
+
+cdef inline void _fail(object future, object error) except *:
+    if not future.done():
+        future.set_exception(error)
+        future.exception()  # retrieved: a stream may never look at it
+
+
+@cython.final
+cdef class UnaryCall:
+    """A plain unary call in flight: its future and its state."""
+
+    cdef readonly object future
+    cdef readonly CallState state
+
+    def __init__(self, future):
+        self.future = future
+        self.state = CallState(_CLIENT)
+
+    cdef void deliver(self, object message, Py_ssize_t nbytes) except *:
+        """A message of this call from the server; the state machine says
+        whether it ends the wait (a message after the call's end is dropped,
+        one the server may not send is a ProtocolError)."""
+        cdef int kind = _RESPONSE if type(message) is _Response else message.kind
+        if self.state.receive(kind) and not self.future.done():
+            self.future.set_result((message, nbytes))
+
+    cdef bint may_cancel(self):
+        """Whether the server is to hear of this call's end (CANCEL): not
+        after its answer, once after its deadline."""
+        return not self.state.done or self.state.outcome == _EXPIRED
+
+
+cdef class CallsInFlight:
+    """The calls in flight on one client connection (see the module)."""
+
+    cdef readonly dict pending
+    cdef object _loop
+    cdef object _on_other
+    cdef unsigned long long _last_id
+    # Deadlines as a heap of (when, call id), with one loop timer for the
+    # earliest instead of one per call (a timer costs several times a heap
+    # push). Entries of calls that ended stay until the heap grows past
+    # _compact_at.
+    cdef readonly list deadlines
+    cdef Py_ssize_t _compact_at
+    cdef double _timer_at
+    cdef object _timer
+
+    def __init__(self, loop, on_other):
+        self.pending = {}
+        self._loop = loop
+        self._on_other = on_other
+        self.deadlines = []
+        self._compact_at = 64
+        self._timer_at = float("inf")
+
+    cpdef unsigned long long add(self, object waiter, double expires) except? 0:
+        """Register ``waiter`` under a new call id, to fail with TimeoutError
+        at ``expires`` (loop time) unless it has ended by then."""
+        self._last_id += 1
+        cdef unsigned long long call_id = self._last_id
+        self.pending[call_id] = waiter
+        heappush(self.deadlines, (expires, call_id))
+        if len(self.deadlines) > self._compact_at:
+            self._compact()
+        if expires < self._timer_at:
+            self._arm(expires)
+        return call_id
+
+    cpdef unsigned long long request(self, object driver, str method, double deadline,
+                                     int stream_arg, list payload, object waiter,
+                                     object metrics, double grace) except? 0:
+        """Register ``waiter`` and post the call's REQUEST with the time
+        left until ``deadline`` (loop time); the waiter fails at
+        ``deadline + grace``. Returns the call id.
+
+        Raises:
+            DeadlineExceeded: no time is left (the call is not sent: a
+                handler that cannot suspend would still run, and answer
+                after the deadline).
+            Unavailable: the connection is gone.
+        """
+        cdef double remaining = deadline - self._loop.time()
+        if remaining <= 0.0:
+            raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent")
+        if type(waiter) is UnaryCall:
+            (<UnaryCall>waiter).state.send(_REQUEST)
+        cdef unsigned long long call_id = self.add(waiter, deadline + grace)
+        try:
+            metrics.bytes_out += driver.post_frames(encode_request(
+                call_id, method, min(remaining, _LONGEST), stream_arg, payload))
+        except BaseException:
+            del self.pending[call_id]
+            raise
+        return call_id
+
+    async def call(self, driver, str method, double deadline, int stream_arg, list payload,
+                   object metrics, double grace, object waiter=None, object on_sent=None):
+        """One unary call: its REQUEST posted, its answer awaited; returns
+        ``(message, nbytes)``. The caller holds the call's slot. A streamed
+        argument comes with its ``waiter`` (a stream's record) and
+        ``on_sent(call_id)``, which starts the task that sends its items.
+
+        The request is queued without waiting: the answer cannot come
+        before it has gone. A call that ends early (deadline, cancel) may
+        leave its request still going out, so its arguments must stay
+        unchanged until then, as with any send cut short.
+
+        Raises:
+            DeadlineExceeded: the deadline passed before the call was sent.
+            TimeoutError: it passed while the call waited for its answer
+                (at ``deadline + grace``: the server enforces the same
+                deadline, and waiting a moment longer lets its
+                DEADLINE_EXCEEDED, which says where the time went, arrive
+                first).
+            Unavailable: the connection is gone (or ``driver`` is None: it
+                never was).
+        """
+        if driver is None:
+            raise Unavailable("not connected")
+        if driver.reading_paused:
+            await until_drained(driver, deadline, method)
+        if waiter is None:
+            waiter = UnaryCall(self._loop.create_future())
+        future = waiter.future
+        call_id = self.request(driver, method, deadline, stream_arg, payload, waiter, metrics,
+                               grace)
+        pump = None
+        try:
+            if on_sent is not None:
+                pump = on_sent(call_id)
+            return await future
+        except BaseException:
+            self._cancel_remote(driver, call_id, waiter)
+            raise
+        finally:
+            self.pending.pop(call_id, None)
+            if pump is not None:
+                pump.cancel()
+                try:
+                    await pump
+                except _CancelledError:
+                    pass
+
+    cdef void _cancel_remote(self, driver, unsigned long long call_id, waiter) except *:
+        """The caller stopped waiting: the server stops the handler
+        (CANCEL), unless the call is over for it already."""
+        if call_id not in self.pending:
+            return
+        if type(waiter) is UnaryCall:
+            if not (<UnaryCall>waiter).may_cancel():
+                return
+            (<UnaryCall>waiter).state.send(_CANCEL)
+        driver.send_soon(_Cancel(call_id))
+
+    def on_message(self, message, Py_ssize_t nbytes):
+        """A message from the server: one of a unary call goes to its
+        ``UnaryCall``; everything else to ``on_other``."""
+        waiter = self.pending.get(message.call_id)
+        if type(waiter) is UnaryCall:
+            (<UnaryCall>waiter).deliver(message, nbytes)
+        else:
+            self._on_other(message, nbytes)
+
+    def fail(self, unsigned long long call_id, error):
+        """A unary call in flight fails with ``error``; False when
+        ``call_id`` is no unary call's."""
+        waiter = self.pending.get(call_id)
+        if type(waiter) is not UnaryCall:
+            return False
+        _fail((<UnaryCall>waiter).future, error)
+        return True
+
+    def fail_all(self, error):
+        """The connection is gone: every call fails with ``error``."""
+        for waiter in list(self.pending.values()):
+            if type(waiter) is UnaryCall:
+                _fail((<UnaryCall>waiter).future, error)
+            else:
+                waiter.fail(error)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = float("inf")
+        self.deadlines.clear()
+
+    cdef void _compact(self) except *:
+        """Drop the deadlines of calls that ended."""
+        pending = self.pending
+        self.deadlines = [entry for entry in self.deadlines if entry[1] in pending]
+        heapify(self.deadlines)
+        self._compact_at = 2 * len(self.deadlines) + 64
+
+    cdef void _arm(self, double when) except *:
+        """Wake up at ``when`` to expire the calls due then."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_at(when, self._expire_due)
+
+    def _expire_due(self):
+        self._timer = None
+        self._timer_at = float("inf")
+        heap = self.deadlines
+        now = self._loop.time()
+        while heap and heap[0][0] <= now:
+            waiter = self.pending.get(heappop(heap)[1])
+            if type(waiter) is UnaryCall:
+                # The deadline passed: end the wait.
+                if (<UnaryCall>waiter).state.expire():
+                    _fail((<UnaryCall>waiter).future, TimeoutError())
+            elif waiter is not None:
+                _fail(waiter.future, TimeoutError())
+        if heap:
+            self._arm(heap[0][0])
+
+
+async def until_drained(driver, double deadline, str method):
+    """Wait, within the call's deadline, until the server has taken enough
+    of what this client sent (``TransportConfig.max_unsent_bytes``): a
+    server that does not read then holds the client's calls back instead of
+    growing its outbox.
+
+    Raises:
+        DeadlineExceeded: the deadline passed first (the call was not sent).
+        Unavailable: the connection was lost meanwhile.
+    """
+    try:
+        async with _timeout_at(deadline):
+            await driver.drained()
+    except TimeoutError:
+        raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent "
+                               f"(the server is not taking what was sent)") from None

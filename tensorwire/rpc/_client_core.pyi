@@ -1,0 +1,29 @@
+"""Stub of the compiled ``_client_core`` module (see _client_core.pyx)."""
+
+from collections.abc import AsyncIterable
+from typing import Any
+
+from .. import serde
+from .._counters import MethodMetrics
+from ..errors import RemoteError
+from . import protocol
+from .config import ClientConfig
+
+def sendable(timeout: float) -> float: ...
+def split_stream(
+    args: tuple[Any, ...],
+) -> tuple[tuple[Any, ...], AsyncIterable[Any] | None, int]: ...
+def remote_error(message: protocol.Error) -> RemoteError: ...
+def unexpected_answer(message: protocol.Message, method: str) -> Exception: ...
+
+class ClientCore:
+    config: ClientConfig
+    _session: Any
+    _encoder: serde.Encoder
+    _decoder: serde.Decoder
+    def _deadline(self, timeout: float | None) -> float: ...
+    def _connected(self) -> Any: ...
+    def _encode(self, value: Any) -> list[Any]: ...
+    def _encode_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]: ...
+    def _result(self, message: protocol.Message, nbytes: int, metrics: MethodMetrics,
+                method: str) -> Any: ...

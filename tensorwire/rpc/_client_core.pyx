@@ -1,0 +1,118 @@
+# cython: language_level=3
+"""The per-call helpers of the RPC client, compiled: what ``Client._call``
+asks on every call (its deadline, the connected session, the encoded
+arguments and their streamed one, the result of the answer), each without
+a Python frame. ``Client`` (client.py) is ``ClientCore`` with the API.
+"""
+
+import asyncio
+import collections.abc
+import math
+
+from ..errors import ConfigError, ProtocolError, RemoteError
+from . import protocol
+from ._calls_in_flight import LONGEST
+
+cdef double _LONGEST = LONGEST
+cdef object _Response = protocol.Response
+cdef object _Error = protocol.Error
+cdef object _AsyncIterable = collections.abc.AsyncIterable
+cdef object _get_running_loop = asyncio.get_running_loop
+#: Argument types that are never async iterables, checked first: the ABC's
+#: isinstance() costs several times a set lookup, for every argument.
+cdef frozenset _PLAIN = frozenset({int, float, str, bytes, bool, type(None), list, tuple, dict})
+
+
+cpdef double sendable(double timeout) except? -1.0:
+    """A call's timeout outside (0, LONGEST), as its request can carry it:
+    none left is 0.0 (the call then fails before it is sent), a longer one
+    is ``LONGEST``.
+
+    Raises:
+        ConfigError: the timeout is not a number of seconds (NaN).
+    """
+    if math.isnan(timeout):
+        raise ConfigError(f"a call's timeout must be a number of seconds, got {timeout!r}")
+    return 0.0 if timeout <= 0.0 else _LONGEST
+
+
+cpdef tuple split_stream(tuple args):
+    """``(args, source, index)``: the async-iterable argument (if any) taken
+    out of ``args``, and where it was; ``(args, None, -1)`` without one."""
+    cdef Py_ssize_t index
+    for index, arg in enumerate(args):
+        if type(arg) not in _PLAIN and isinstance(arg, _AsyncIterable):
+            return args[:index] + args[index + 1:], arg, index
+    return args, None, -1
+
+
+def remote_error(message):
+    """The ``RemoteError`` subclass an ERROR message stands for."""
+    cls = RemoteError.for_status(message.status, message.type_name)
+    return cls(message.message, type_name=message.type_name,
+               remote_traceback=message.traceback, details=message.details)
+
+
+def unexpected_answer(message, str method):
+    """What a unary call raises for an answer that is not a RESPONSE."""
+    if isinstance(message, _Error):
+        return remote_error(message)
+    return ProtocolError(f"unexpected {message.kind.name} for unary call {method}")
+
+
+cdef class ClientCore:
+    """The client's state that every call reads, and its per-call helpers."""
+
+    cdef public object config
+    cdef public object _session
+    # The client's own codec (it runs on one event loop's thread): a call
+    # each way less than serde's per-thread functions.
+    cdef public object _encoder
+    cdef public object _decoder
+
+    cpdef double _deadline(self, object timeout) except? -1.0:
+        """The loop time by which a call with ``timeout`` must end.
+
+        Raises:
+            ConfigError: the timeout is not a number of seconds (NaN).
+        """
+        session = self._session
+        # The session's loop when connected: get_running_loop() asks the OS
+        # for the pid on every call on Python 3.11.
+        loop = session.loop if session is not None else _get_running_loop()
+        cdef double remaining = self.config.timeout if timeout is None else timeout
+        if not 0.0 < remaining < _LONGEST:
+            remaining = sendable(remaining)
+        return loop.time() + remaining
+
+    cpdef object _connected(self):
+        """The session, when it is connected (a call need not wait)."""
+        session = self._session
+        return session if session is not None and session.alive else None
+
+    cpdef list _encode(self, object value):
+        """The frames of ``value``."""
+        header, buffers = self._encoder.encode(value)
+        return [header, *buffers]
+
+    cpdef object _result(self, object message, Py_ssize_t nbytes, object metrics, str method):
+        """A unary call's result, from its answer.
+
+        Raises:
+            RemoteError: the answer is an ERROR.
+            ProtocolError: the answer is neither RESPONSE nor ERROR.
+        """
+        metrics.bytes_in += nbytes
+        if type(message) is not _Response:
+            raise unexpected_answer(message, method)
+        frames = message.value
+        # Without an empty list of buffers: most answers are one frame.
+        return (self._decoder.decode(frames[0]) if len(frames) == 1
+                else self._decoder.decode(frames[0], frames[1:]))
+
+    cpdef list _encode_arguments(self, tuple args, dict kwargs):
+        """The frames of a request's value ``[args, kwargs]``."""
+        # A list, not the tuple: msgpack packs a list in C, a tuple through
+        # a Python callback (the server takes either).
+        header, buffers = self._encoder.encode_nested([list(args), kwargs])
+        return [header, *buffers]

@@ -1,0 +1,230 @@
+# cython: language_level=3
+"""The per-message work of a connection driver, compiled: delivering each
+received message to the session, and the outbox that hands everything
+posted in one loop iteration to the transport together, bounded by
+``max_unsent`` (issue 21). ``ConnectionDriver`` (``_connection_driver.py``)
+adds what is not per message: starting, closing, the read loop and the
+liveness watchdog.
+"""
+
+import asyncio
+import functools
+import logging
+
+import numpy as np
+
+from ..errors import ConnectionClosedError, TensorwireError, TransportError, Unavailable
+from . import protocol
+
+logger = logging.getLogger("tensorwire.rpc._connection_driver")
+
+#: Messages posted in one loop turn are written together, this many at a time
+#: (see ``DriverCore.post_frames``).
+BATCH = 32
+
+cdef object _ndarray = np.ndarray
+cdef object _parse = protocol.parse
+from ._wire import parse_binary
+cdef object _encode = protocol.encode
+
+
+cpdef Py_ssize_t frames_nbytes(list frames) except -1:
+    """The bytes of a message's frames."""
+    cdef Py_ssize_t total = 0
+    for frame in frames:
+        kind = type(frame)
+        # What serde and the transports hand us, without a memoryview each.
+        if kind is bytes or kind is bytearray:
+            total += len(frame)
+        elif kind is _ndarray or kind is memoryview:
+            total += frame.nbytes
+        else:
+            try:
+                total += memoryview(frame).nbytes
+            except TypeError:  # a device buffer
+                total += int(getattr(frame, "nbytes", 0))
+    return total
+
+
+cdef inline object _parse_message(list frames):
+    # The binary kinds straight from _wire (every call), the rest through
+    # protocol.parse (msgpack; it refuses an empty message too).
+    message = parse_binary(frames) if frames else None
+    return _parse(frames) if message is None else message
+
+
+cpdef object unavailable(object error):
+    """``error`` as the ``Unavailable`` its waiters get."""
+    if isinstance(error, Unavailable):
+        return error
+    return Unavailable(f"connection lost: {error}")
+
+
+cpdef void fail_waiter(object waiting, object error) except *:
+    """Fail ``waiting`` (a future or None) with ``unavailable(error)``."""
+    if waiting is not None and not waiting.done():
+        waiting.set_exception(unavailable(error))
+        waiting.exception()  # retrieved: its sender may have stopped waiting
+
+
+cdef class DriverCore:
+    """The outbox and the delivery of one connection (see the module)."""
+
+    cdef public object conn
+    cdef public object loop
+    cdef public object error
+    cdef public bint reading_paused
+    cdef public double _last_seen
+    cdef public object _on_message
+    # Messages not yet handed to the transport, and the future of their
+    # senders (made when someone waits for them).
+    cdef public list _outbox
+    cdef public object _flushed
+    # Set while the transport writes a batch it could not take at once,
+    # with the future of that batch's senders.
+    cdef public object _writing
+    cdef public object _writing_flushed
+    cdef public object _turn
+    # Write a turn's first message at once (see post_frames()).
+    cdef public bint _eager
+    # Backpressure (see _sent): bytes posted and not yet written, those of
+    # them in the outbox, and the bound with its low-water mark.
+    cdef public Py_ssize_t _unsent
+    cdef public Py_ssize_t _outbox_bytes
+    cdef public Py_ssize_t _high_water
+    cdef public Py_ssize_t _low_water
+    # Set when reading resumes: senders that wait for the output to drain.
+    cdef public object _drained
+
+    def __init__(self, conn, on_message, *, Py_ssize_t max_unsent):
+        self.conn = conn
+        self._on_message = on_message
+        self.loop = asyncio.get_running_loop()
+        self._last_seen = self.loop.time()
+        self._outbox = []
+        self._eager = not conn.coalesces_sends
+        self._high_water = max_unsent
+        self._low_water = max_unsent // 4
+
+    @property
+    def closed(self) -> bool:
+        return self.error is not None
+
+    # -- sending ---------------------------------------------------------------
+
+    def post(self, message):
+        """Queue ``message`` for sending without waiting; returns its size.
+
+        Messages of one event-loop turn are handed to the transport
+        together, every ``BATCH`` messages and at the end of the turn. Where
+        that saves work (``conn.coalesces_sends``: tcp://, one system call
+        for many small messages, and on a VM a loopback write costs tens of
+        microseconds), the turn's first message waits for the others too;
+        elsewhere (ucx://, one post per message whatever the batch) it goes
+        at once, so that the peer starts on it while this side works on.
+        While the transport cannot take more (a full socket), messages wait
+        here, in order. Gathering a whole turn before writing anything made
+        the two ends take turns instead of working at the same time.
+
+        Raises:
+            Unavailable: the connection is gone.
+        """
+        return self.post_frames(_encode(message))
+
+    cpdef Py_ssize_t post_frames(self, list frames) except -1:
+        """``post`` for a message already encoded (``protocol.encode_request``
+        and ``encode_response``: the hot paths make no message object)."""
+        if self.error is not None:
+            raise unavailable(self.error)
+        cdef Py_ssize_t nbytes = frames_nbytes(frames)
+        self._outbox_bytes += nbytes
+        self._unsent += nbytes
+        if self._unsent > self._high_water and not self.reading_paused:
+            self._pause_reading()
+        self._outbox.append(frames)
+        if self._writing is None:
+            if self._turn is None:
+                self._turn = self.loop.call_soon(self._end_turn)
+                if self._eager:
+                    self._flush()
+            elif len(self._outbox) >= BATCH:
+                self._flush()
+        return nbytes
+
+    cdef void _pause_reading(self) except *:
+        """Our output to the peer is over the bound: take no more of its
+        messages (each may add a reply) until it is under the low-water
+        mark. A peer that never reads so holds at most the bound."""
+        self.reading_paused = True
+        logger.debug("%s: %d bytes unsent, reading paused", self.conn.peer_address,
+                     self._unsent)
+        self.conn.pause_reading()
+
+    cpdef void _sent(self, Py_ssize_t nbytes) except *:
+        """``nbytes`` of the posted output went out (or were dropped)."""
+        self._unsent -= nbytes
+        if self.reading_paused and self._unsent <= self._low_water:
+            self.reading_paused = False
+            self._last_seen = self.loop.time()  # we were not listening
+            drained, self._drained = self._drained, None
+            if drained is not None and not drained.done():
+                drained.set_result(None)
+            if self.error is None:
+                self.conn.resume_reading()
+
+    def _end_turn(self):
+        self._turn = None
+        if self._outbox and self._writing is None and self.error is None:
+            self._flush()
+
+    cpdef void _flush(self) except *:
+        batch, self._outbox = self._outbox, []
+        flushed, self._flushed = self._flushed, None
+        cdef Py_ssize_t nbytes = self._outbox_bytes
+        self._outbox_bytes = 0
+        try:
+            writing = self.conn.send_nowait(batch)
+        except TensorwireError as exc:
+            # Closed, or a frame the transport cannot send (a bug: serde
+            # makes only contiguous buffers): either way the stream is done.
+            fail_waiter(flushed, exc)
+            self.close_with(exc)
+            return
+        if writing is None:
+            self._sent(nbytes)
+            if flushed is not None:
+                flushed.set_result(None)
+            return
+        self._writing, self._writing_flushed = writing, flushed
+        writing.add_done_callback(functools.partial(self._written, nbytes))
+
+    def _written(self, Py_ssize_t nbytes, writing):
+        self._sent(nbytes)
+        flushed, self._writing, self._writing_flushed = self._writing_flushed, None, None
+        error = (ConnectionClosedError("send cancelled") if writing.cancelled()
+                 else writing.exception())
+        if error is None:
+            if flushed is not None:
+                flushed.set_result(None)
+            if self._outbox and self.error is None:
+                self._flush()
+            return
+        fail_waiter(flushed, error)
+        self.close_with(error if isinstance(error, TensorwireError)
+                        else TransportError(f"send failed: {error!r}"))
+
+    # -- receiving -------------------------------------------------------------
+
+    def _deliver(self, list frames):
+        """Parse one received message and hand it to the session."""
+        if self.error is not None:
+            return
+        self._last_seen = self.loop.time()
+        try:
+            self._on_message(_parse_message(frames), frames_nbytes(frames))
+        except TensorwireError as exc:
+            logger.warning("closing connection to %s: %s", self.conn.peer_address, exc)
+            self.close_with(exc)
+        except Exception as exc:
+            logger.exception("RPC session on %s failed", self.conn.peer_address)
+            self.close_with(TransportError(f"RPC session failed: {exc!r}"))

@@ -1,0 +1,288 @@
+# cython: language_level=3
+"""The RPC messages with a fixed binary header, compiled: REQUEST, RESPONSE
+and ITEM (docs/protocol.md, "RPC messages"), parsed from frames and encoded
+into them. They run once per call or stream item; every other kind is rare
+and stays msgpack, in ``protocol``, which keeps the message classes.
+
+The header fields are read and written byte by byte, little endian, which a
+C compiler turns into single loads and stores on a little-endian machine and
+which stays right on any other.
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.math cimport isfinite, signbit
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+from ..errors import ProtocolError
+
+cdef extern from "Python.h":
+    const char* PyUnicode_AsUTF8AndSize(object text, Py_ssize_t* size) except NULL
+
+# The layout of docs/protocol.md: REQUEST is kind, flags, method length,
+# stream_arg, call_id, timeout (24 bytes), then the method name and the serde
+# header; RESPONSE and ITEM are kind, 7 reserved zero bytes, call_id (16
+# bytes), then the serde header.
+cdef enum:
+    REQUEST_SIZE = 24
+    REPLY_SIZE = 16
+    KIND_REQUEST = 10
+    KIND_RESPONSE = 11
+    KIND_ITEM = 14
+    HAS_TIMEOUT = 1
+
+REQUEST = KIND_REQUEST
+RESPONSE = KIND_RESPONSE
+ITEM = KIND_ITEM
+#: A bytearray frame up to this size gives its value header as a copy (a
+#: small bytearray costs less than a memoryview); larger frames, and frames
+#: of any other type, as a zero-copy memoryview.
+SLICE_MAX = 4096
+#: A REQUEST's timeout is below this many seconds (about 31 years).
+MAX_TIMEOUT = 10.0 ** 9
+cdef double _MAX_TIMEOUT = MAX_TIMEOUT
+cdef uint64_t _CALL_ID_END = 1ULL << 63
+
+# The message classes live in ``protocol``, which imports this module: they
+# are looked up on first use (a module-level import here would be circular).
+cdef object _Request = None
+cdef object _Response = None
+cdef object _Item = None
+
+
+cdef inline void _bind_classes():
+    global _Request, _Response, _Item
+    from . import protocol
+
+    _Request, _Response, _Item = protocol.Request, protocol.Response, protocol.Item
+
+
+# --- little-endian fields ------------------------------------------------------
+
+cdef inline uint16_t _u16(const uint8_t* p) noexcept:
+    return <uint16_t>p[0] | (<uint16_t>p[1] << 8)
+
+
+cdef inline uint32_t _u32(const uint8_t* p) noexcept:
+    return <uint32_t>_u16(p) | (<uint32_t>_u16(p + 2) << 16)
+
+
+cdef inline uint64_t _u64(const uint8_t* p) noexcept:
+    return <uint64_t>_u32(p) | (<uint64_t>_u32(p + 4) << 32)
+
+
+cdef inline void _put_u16(uint8_t* p, uint16_t value) noexcept:
+    p[0] = value & 0xFF
+    p[1] = value >> 8
+
+
+cdef inline void _put_u32(uint8_t* p, uint32_t value) noexcept:
+    _put_u16(p, value & 0xFFFF)
+    _put_u16(p + 2, value >> 16)
+
+
+cdef inline void _put_u64(uint8_t* p, uint64_t value) noexcept:
+    _put_u32(p, value & 0xFFFFFFFF)
+    _put_u32(p + 4, value >> 32)
+
+
+cdef inline double _f64(const uint8_t* p) noexcept:
+    cdef uint64_t bits = _u64(p)
+    cdef double value
+    memcpy(&value, &bits, 8)
+    return value
+
+
+cdef inline void _put_f64(uint8_t* p, double value) noexcept:
+    cdef uint64_t bits
+    memcpy(&bits, &value, 8)
+    _put_u64(p, bits)
+
+
+# --- parsing -------------------------------------------------------------------
+
+cdef inline object _kind_name(int kind):
+    return {KIND_REQUEST: "REQUEST", KIND_RESPONSE: "RESPONSE", KIND_ITEM: "ITEM"}[kind]
+
+
+cdef object _tail(object raw, Py_ssize_t start, Py_ssize_t size):
+    """The frame from ``start`` on: the value's serde header."""
+    if type(raw) is bytearray and size <= SLICE_MAX:
+        return raw[start:]
+    view = memoryview(raw)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view[start:]
+
+
+cdef list _value(object frames, object head):
+    """The value's frames: its serde header, then frames 1 and up."""
+    cdef list value = [head]
+    if len(frames) > 1:
+        value.extend(frames[1:])
+    return value
+
+
+cdef object _parse_reply(int kind, const uint8_t* data, Py_ssize_t size, object raw,
+                         object frames):
+    if size <= REPLY_SIZE:
+        raise ProtocolError(f"{_kind_name(kind)} without its value")
+    if _u64(data) != <uint64_t>kind:
+        raise ProtocolError(f"nonzero reserved bytes in a {_kind_name(kind)} header")
+    cdef uint64_t call_id = _u64(data + 8)
+    if call_id >= _CALL_ID_END:
+        raise ProtocolError(f"bad call id {call_id}")
+    value = _value(frames, _tail(raw, REPLY_SIZE, size))
+    # The message classes are slotted dataclasses: filled in here without
+    # their generated __init__ (a Python frame per message).
+    message = (_Response if kind == KIND_RESPONSE else _Item).__new__(
+        _Response if kind == KIND_RESPONSE else _Item)
+    message.call_id = call_id
+    message.value = value
+    return message
+
+
+cdef object _parse_request(const uint8_t* data, Py_ssize_t size, object raw, object frames):
+    if size < REQUEST_SIZE:
+        raise ProtocolError(f"REQUEST header of {size} bytes is cut short")
+    cdef uint8_t flags = data[1]
+    cdef Py_ssize_t start = REQUEST_SIZE + _u16(data + 2)
+    cdef int32_t stream_arg = <int32_t>_u32(data + 4)
+    cdef uint64_t call_id = _u64(data + 8)
+    cdef double timeout = _f64(data + 16)
+    if flags & ~HAS_TIMEOUT:
+        raise ProtocolError(f"unknown REQUEST flags {flags:#x}")
+    if stream_arg < -1:
+        raise ProtocolError(f"bad REQUEST stream_arg {stream_arg}")
+    if flags:
+        # NaN would corrupt the server's timer heap; negative or infinite
+        # deadlines have no meaning.
+        if not (isfinite(timeout) and 0 <= timeout < _MAX_TIMEOUT):
+            raise ProtocolError(f"REQUEST timeout must be finite and >= 0, got {timeout!r}")
+    elif timeout != 0 or signbit(timeout):
+        raise ProtocolError("REQUEST without a timeout must carry 0.0 there")
+    if size <= start:
+        raise ProtocolError("REQUEST without its value")
+    try:
+        method = PyUnicode_DecodeUTF8(<const char*>data + REQUEST_SIZE,
+                                      start - REQUEST_SIZE, NULL)
+    except UnicodeDecodeError:
+        raise ProtocolError("REQUEST method name is not UTF-8") from None
+    if call_id == 0 or call_id >= _CALL_ID_END:
+        # 0 is the connection's own (HELLO, PING, ...), never a call's.
+        raise ProtocolError(f"bad call id {call_id} for a REQUEST (0 is reserved)")
+    message = _Request.__new__(_Request)
+    message.call_id = call_id
+    message.method = method
+    message.timeout = timeout if flags else None
+    message.stream_arg = stream_arg
+    message.value = _value(frames, _tail(raw, start, size))
+    return message
+
+
+cpdef object parse_binary(object frames):
+    """REQUEST, RESPONSE or ITEM from ``frames`` (a non-empty sequence), or
+    ``None`` when frame 0 starts with any other byte (a msgpack header).
+
+    Raises:
+        ProtocolError: a binary header cut short, with nonzero reserved
+            bits, bad fields, or no value.
+    """
+    if _Request is None:
+        _bind_classes()
+    raw = frames[0]
+    cdef Py_buffer buffer
+    cdef const uint8_t* data
+    cdef Py_ssize_t size
+    cdef bint release = False
+    cdef int kind
+    if type(raw) is bytearray:
+        # What the transports deliver: no buffer request for it.
+        data = <const uint8_t*>PyByteArray_AS_STRING(raw)
+        size = PyByteArray_GET_SIZE(raw)
+    elif type(raw) is bytes:
+        data = <const uint8_t*>PyBytes_AS_STRING(raw)
+        size = PyBytes_GET_SIZE(raw)
+    else:
+        PyObject_GetBuffer(raw, &buffer, PyBUF_SIMPLE)
+        data = <const uint8_t*>buffer.buf
+        size = buffer.len
+        release = True
+    try:
+        if size == 0:
+            return None
+        kind = data[0]
+        if kind == KIND_RESPONSE or kind == KIND_ITEM:
+            return _parse_reply(kind, data, size, raw, frames)
+        if kind == KIND_REQUEST:
+            return _parse_request(data, size, raw, frames)
+        return None
+    finally:
+        if release:
+            PyBuffer_Release(&buffer)
+
+
+# --- encoding ------------------------------------------------------------------
+
+cdef inline object _frame0(uint8_t* prefix, Py_ssize_t prefix_size, const char* name,
+                           Py_ssize_t name_size, object header):
+    """One bytes object: the fixed header, the method name, the serde header."""
+    cdef const char* head_data
+    cdef Py_ssize_t head_size
+    if type(header) is not bytes:
+        header = bytes(header)
+    head_data = PyBytes_AS_STRING(header)
+    head_size = PyBytes_GET_SIZE(header)
+    out = PyBytes_FromStringAndSize(NULL, prefix_size + name_size + head_size)
+    cdef char* p = PyBytes_AS_STRING(out)
+    memcpy(p, prefix, prefix_size)
+    if name_size:
+        memcpy(p + prefix_size, name, name_size)
+    memcpy(p + prefix_size + name_size, head_data, head_size)
+    return out
+
+
+cdef inline list _frames(object first, list value):
+    cdef list frames = [first]
+    if len(value) > 1:
+        frames.extend(value[1:])
+    return frames
+
+
+cpdef list encode_request(uint64_t call_id, str method, object timeout, int stream_arg,
+                          list value):
+    """The frames of ``Request(call_id, method, timeout, stream_arg, value)``,
+    without making the message (the client's hot path).
+
+    Raises:
+        ProtocolError: a method name longer than 65535 bytes.
+    """
+    cdef Py_ssize_t length
+    cdef const char* name = PyUnicode_AsUTF8AndSize(method, &length)
+    if length > 0xFFFF:
+        raise ProtocolError(f"method name of {length} bytes exceeds 65535")
+    cdef uint8_t prefix[REQUEST_SIZE]
+    prefix[0] = KIND_REQUEST
+    prefix[1] = 0 if timeout is None else HAS_TIMEOUT
+    _put_u16(prefix + 2, <uint16_t>length)
+    _put_u32(prefix + 4, <uint32_t>stream_arg)
+    _put_u64(prefix + 8, call_id)
+    _put_f64(prefix + 16, 0.0 if timeout is None else <double>timeout)
+    return _frames(_frame0(prefix, REQUEST_SIZE, name, length, value[0]), value)
+
+
+cpdef list encode_reply(int kind, uint64_t call_id, list value):
+    """The frames of a RESPONSE or ITEM (``kind``) without making the message."""
+    cdef uint8_t prefix[REPLY_SIZE]
+    _put_u64(prefix, <uint64_t>kind)
+    _put_u64(prefix + 8, call_id)
+    return _frames(_frame0(prefix, REPLY_SIZE, NULL, 0, value[0]), value)
+
+
+cpdef list encode_response(uint64_t call_id, list value):
+    """The frames of ``Response(call_id, value)``, without making the
+    message (the server's hot path)."""
+    return encode_reply(KIND_RESPONSE, call_id, value)
