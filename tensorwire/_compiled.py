@@ -15,7 +15,11 @@ from typing import Any
 __all__ = ("MODULES", "status")
 
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = (
+    "tensorwire.transports._ucx_messages",
+    "tensorwire.transports._ucx_requests",
+    "tensorwire.transports._ucx_sending",
+)
 
 
 def status() -> dict[str, Any]:

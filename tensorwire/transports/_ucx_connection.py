@@ -22,17 +22,17 @@ from ..errors import (
 )
 from ._base import Connection
 from ._delivery import READ_BUDGET_MESSAGES, RecvQueue, call_consumer, consumer_failed
-from ._frame_table import INLINE_FLAG, KIND_DATA, PRELUDE_SIZE, table_size
+from ._frame_table import PRELUDE_SIZE, table_size
 from ._frames import (
     Allocator,
     FrameInfo,
     default_allocator,
     device_nbytes,
-    host_empty,
     writable_view,
 )
-from ._ucx_messages import INLINE_BYTES, ONE_INLINE, Announced, Outgoing
+from ._ucx_messages import INLINE_BYTES, Announced, one_inline_frame
 from ._ucx_runtime import Runtime, translate, ucx_error_name
+from ._ucx_sending import post_messages
 from ._ucx_skipping import RefusedSkipping
 from .config import TransportConfig
 
@@ -44,10 +44,6 @@ BYE = b"bye"
 _COUNT = struct.Struct("<Q")
 TAG_HEADER = 0
 TAG_FRAME = 1
-
-
-def _ignore_completion(request: Any) -> None:
-    """The completion of a send whose connection had already failed."""
 
 
 def to_ucx_url(url: str) -> str:
@@ -73,10 +69,10 @@ async def _await_posted(sending: asyncio.Future[None]) -> None:
 def _check_device_buffer(rt: Runtime, buffer: Any, info: FrameInfo) -> None:
     if not hasattr(buffer, "__cuda_array_interface__"):
         raise TransportError(f"allocator returned no CUDA buffer for frame {info.index}")
-    if device_nbytes(buffer) != info.nbytes:
+    nbytes = device_nbytes(buffer)
+    if nbytes != info.nbytes:
         raise TransportError(
-            f"allocator returned {device_nbytes(buffer)} bytes for frame {info.index} "
-            f"of {info.nbytes}"
+            f"allocator returned {nbytes} bytes for frame {info.index} of {info.nbytes}"
         )
     if not rt.cuda_support:
         raise TransportError("a CUDA frame arrived but this UCX has no CUDA support")
@@ -175,21 +171,21 @@ class UCXConnection(RefusedSkipping, Connection):
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:
             raise self._closed_error()
-        sending = self._post_messages([Outgoing(frames)])
+        sending = post_messages(self, (frames,))
         if sending is not None:
             await _await_posted(sending)
 
     async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
         if self.closed:
             raise self._closed_error()
-        sending = self._post_messages([Outgoing(frames) for frames in messages])
+        sending = post_messages(self, messages)
         if sending is not None:
             await _await_posted(sending)
 
     def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
         if self.closed:
             raise self._closed_error()
-        return self._post_messages([Outgoing(frames) for frames in messages])
+        return post_messages(self, messages)
 
     def deliver_to(self, receiver: Callable[[list[Any]], None], *,
                    small_as_bytearray: bool = False) -> bool:
@@ -243,94 +239,6 @@ class UCXConnection(RefusedSkipping, Connection):
         self._fail(ConnectionClosedError(f"connection to {self._peer_address} was aborted"))
 
     # -- sending ---------------------------------------------------------------
-
-    def _post_messages(self, messages: list[Outgoing]) -> asyncio.Future[None] | None:
-        """Post every part of ``messages`` to UCX now, in order; None when UCX
-        took them all at once, else a future for the rest.
-
-        Posting is synchronous, so messages leave in the order of the calls
-        that posted them, and UCX matches one endpoint's messages with one
-        tag in the order posted: no lock is held while a send completes,
-        and many messages can be under way at once. A message is posted
-        whole or not at all (buffers are checked first), so a cancelled
-        wait never cuts one in half: UCX completes it on its own (the
-        runtime keeps its buffers referenced).
-
-        Raises:
-            ConnectionClosedError: the connection is closed, or UCX refused
-                a post (which ends the connection).
-            TransportError: a frame is not a usable buffer (nothing was sent).
-        """
-        rt = self._rt
-        if rt is None:
-            raise self._closed_error()
-        Array = rt.Array
-        header_tag, frame_tag = self._tag_header_out, self._tag_frame_out
-        parts: list[tuple[Any, Any]] = []
-        try:
-            for message in messages:
-                parts.append((Array(message.header), header_tag))
-                for frame in message.frames:
-                    parts.append((Array(frame), frame_tag))
-        except Exception as exc:
-            raise translate(rt, exc, f"cannot send to {self._peer_address}") from exc
-        ep = self._ep
-        waiting: list[tuple[Any, Any]] = []
-        try:
-            for array, tag in parts:
-                request = ep.tag_send(array, tag)
-                if request.completed:
-                    request.check_error()
-                else:
-                    waiting.append((request, array))
-        except Exception as exc:
-            # What was posted before the failure may still be read by UCX:
-            # its buffers stay referenced until UCX lets go of them.
-            for request, array in waiting:
-                rt.watch(request, array, _ignore_completion)
-            error = translate(rt, exc, f"send to {self._peer_address} failed")
-            self._fail(
-                error
-                if isinstance(error, ConnectionClosedError)
-                else ConnectionClosedError(f"send to {self._peer_address} failed: {error}")
-            )
-            raise self._closed_error() from exc
-        nbytes = 0
-        for message in messages:
-            nbytes += message.nbytes
-        self._sent += len(messages)
-        self.messages_sent += len(messages)
-        self.bytes_sent += nbytes
-        if not waiting:
-            return None
-        done: asyncio.Future[None] = self._loop.create_future()
-        left = len(waiting)
-
-        def completed(request: Any) -> None:
-            nonlocal left
-            if done.done():
-                return
-            if request is None:
-                done.set_exception(self._closed_error())
-                return
-            try:
-                request.check_error()
-            except Exception as exc:
-                error = translate(rt, exc, f"send to {self._peer_address} failed")
-                done.set_exception(error)
-                self._fail(
-                    error
-                    if isinstance(error, ConnectionClosedError)
-                    else ConnectionClosedError(f"send to {self._peer_address} failed: {error}")
-                )
-                return
-            left -= 1
-            if left == 0:
-                done.set_result(None)
-
-        for request, array in waiting:
-            rt.watch(request, array, completed)
-        return done
 
     # -- receiving -------------------------------------------------------------
 
@@ -412,17 +320,10 @@ class UCXConnection(RefusedSkipping, Connection):
         if self._fast_max:
             # The RPC hot path (deliver_to with the default allocator): one
             # small inline host frame, checked and copied out here.
-            header = self._header_view
-            kind, r1, r2, nframes, size, code = ONE_INLINE.unpack_from(header)
-            if (nframes == 1 and code == INLINE_FLAG and kind == KIND_DATA and not (r1 or r2)
-                    and size <= self._fast_max):
-                if self._small_as_bytearray:
-                    self._frames = [self._header_buf[ONE_INLINE.size : ONE_INLINE.size + size]]
-                else:
-                    frame = host_empty(size)
-                    frame.data[:] = header[ONE_INLINE.size : ONE_INLINE.size + size]
-                    self._frames = [frame]
-                self._frames_bytes = size
+            frame = one_inline_frame(self._header_buf, self._fast_max, self._small_as_bytearray)
+            if frame is not None:
+                self._frames = [frame]
+                self._frames_bytes = len(frame)
                 self._finish_message()
                 return
         try:

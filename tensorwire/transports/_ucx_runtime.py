@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, TransportError, UnsupportedTransportError
+from ._ucx_requests import PendingRequests
 from .config import UCXOptions
 
 __all__ = ("Runtime", "SpinGate", "acquire", "active_runtime", "applied_environment")
@@ -195,7 +196,7 @@ class Runtime:
             raise translate(self, exc, "cannot start UCX") from exc
         self.address: bytes = self.worker.address.tobytes()
         self.cuda_support: bool = bool(self.context.cuda_support)
-        self._pending: list[tuple[Any, Any, Callback]] = []
+        self._pending = PendingRequests()
         self._scheduled = False
         self.spin_gate = SpinGate(spin)
         self._watchdog: asyncio.TimerHandle | None = None
@@ -232,10 +233,7 @@ class Runtime:
             if not self._pending:
                 break
             self._progress()
-        unfinished = [keep for request, keep, _ in self._pending if not request.completed]
-        for _, _, callback in self._pending:
-            callback(None)
-        self._pending.clear()
+        unfinished = self._pending.abandon()
         if unfinished:
             _abandoned.extend(unfinished)
             logger.warning(
@@ -272,7 +270,7 @@ class Runtime:
         ``keep`` (the request's buffer) stays referenced until then: UCX may
         write into it until the request is complete or cancelled.
         """
-        self._pending.append((request, keep, callback))
+        self._pending.add(request, keep, callback)
         self.kick()
 
     def kick(self) -> None:
@@ -283,19 +281,7 @@ class Runtime:
 
     def _progress(self) -> None:
         self.worker.progress()
-        pending = self._pending
-        if not pending:
-            return
-        done = [entry for entry in pending if entry[0].completed]
-        if not done:
-            return
-        self._pending = [entry for entry in pending if not entry[0].completed]
-        self.spin_gate.completed()
-        for request, _, callback in done:
-            try:
-                callback(request)
-            except Exception:
-                logger.exception("UCX completion callback failed")
+        self._pending.collect(self.spin_gate)
 
     def _run(self) -> None:
         self._scheduled = False
