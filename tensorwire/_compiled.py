@@ -17,7 +17,7 @@ __all__ = ("MODULES", "status")
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
 MODULES: tuple[str, ...] = (
     "tensorwire.transports._ucx_messages",
-    "tensorwire.transports._ucx_requests",
+    "tensorwire.transports._ucx_progress",
     "tensorwire.transports._ucx_sending",
 )
 
