@@ -18,6 +18,7 @@ __all__ = ("MODULES", "status")
 MODULES: tuple[str, ...] = (
     "tensorwire.transports._ucx_messages",
     "tensorwire.transports._ucx_progress",
+    "tensorwire.transports._ucx_receiving",
     "tensorwire.transports._ucx_sending",
 )
 

@@ -5,3 +5,9 @@ cdef class Outgoing:
     cdef readonly bint device
 
     cdef _build(self, frames)
+
+
+cdef class Announced:
+    cdef readonly list infos
+    cdef readonly dict inline
+    cdef readonly object nbytes

@@ -179,9 +179,7 @@ def one_inline_frame(bytearray header, Py_ssize_t fast_max, bint as_bytearray):
 cdef class Announced:
     """A received header: the frames to allocate and the inline bytes."""
 
-    cdef readonly list infos
-    cdef readonly dict inline
-    cdef readonly object nbytes  # a peer's u64 sizes, unchecked when skipping
+    # nbytes is an object: a peer's u64 sizes, unchecked when skipping.
 
     def __init__(self, header, limits, *, bint check=True):
         cdef Py_ssize_t n, table_end, index
