@@ -13,7 +13,7 @@ here as ordinary methods).
 
 from ..errors import LimitExceededError, TensorwireError, TransportError
 from ._delivery import READ_BUDGET_MESSAGES, call_consumer
-from ._frames import device_nbytes, writable_view
+from ._frames import default_allocator, interface_nbytes, writable_view
 from ._ucx_messages cimport Announced
 from ._ucx_messages import one_inline_frame
 from ._ucx_runtime import translate, ucx_error_name
@@ -21,18 +21,22 @@ from ._ucx_runtime import translate, ucx_error_name
 cdef Py_ssize_t _READ_BUDGET = READ_BUDGET_MESSAGES
 
 
-cdef _check_device_buffer(object rt, object buffer, object info):
-    """An allocator's device buffer is one, of the announced size (read
-    once: each read of the CUDA interface can cost a CUDA call)."""
-    if not hasattr(buffer, "__cuda_array_interface__"):
+cdef _check_device_buffer(object rt, object buffer, object info, bint ours):
+    """An allocator's device buffer is one, of the announced size. Not
+    asked of a buffer ``default_allocator`` made (``ours``): each read of
+    the CUDA interface can cost a CUDA call, and UCX reads it once more."""
+    if not rt.cuda_support:
+        raise TransportError("a CUDA frame arrived but this UCX has no CUDA support")
+    if ours:
+        return
+    cai = getattr(buffer, "__cuda_array_interface__", None)
+    if cai is None:
         raise TransportError(f"allocator returned no CUDA buffer for frame {info.index}")
-    nbytes = device_nbytes(buffer)
+    nbytes = interface_nbytes(cai)
     if nbytes != info.nbytes:
         raise TransportError(
             f"allocator returned {nbytes} bytes for frame {info.index} of {info.nbytes}"
         )
-    if not rt.cuda_support:
-        raise TransportError("a CUDA frame arrived but this UCX has no CUDA support")
 
 
 cdef class Receiving:
@@ -180,6 +184,7 @@ cdef class Receiving:
         else:
             waiter, allocator = self._queue.waiters[0]
             alloc = allocator or self._allocator
+        cdef bint ours = alloc is default_allocator
         try:
             for info in announced.infos:
                 buffer = alloc(info)
@@ -192,7 +197,7 @@ cdef class Receiving:
                     elif info.nbytes:
                         targets.append(view)
                 else:
-                    _check_device_buffer(rt, buffer, info)
+                    _check_device_buffer(rt, buffer, info, ours)
                     if info.nbytes:
                         targets.append(buffer)
         except TensorwireError as exc:
