@@ -29,6 +29,10 @@ MODULES: tuple[str, ...] = (
     "tensorwire.transports._frame_table",
     "tensorwire.transports._stream_framing",
     "tensorwire.transports._stream_writes",
+    "tensorwire.transports._ucx_messages",
+    "tensorwire.transports._ucx_progress",
+    "tensorwire.transports._ucx_receiving",
+    "tensorwire.transports._ucx_sending",
 )
 
 

@@ -16,7 +16,7 @@ from ..errors import TransportError
 from ._pool import POOL_MIN_BYTES, buffer_pool
 
 __all__ = ("ALIGNMENT", "Allocator", "Device", "FrameInfo", "default_allocator", "device_nbytes",
-           "host_empty", "host_view", "is_device_frame", "writable_view")
+           "host_empty", "host_view", "interface_nbytes", "is_device_frame", "writable_view")
 
 Device = Literal["cpu", "cuda"]
 
@@ -89,7 +89,13 @@ def _has_buffer_protocol(obj: Any) -> bool:
 
 def device_nbytes(frame: Any) -> int:
     """Size of a contiguous CUDA buffer from ``__cuda_array_interface__``."""
-    cai = frame.__cuda_array_interface__
+    return interface_nbytes(frame.__cuda_array_interface__)
+
+
+def interface_nbytes(cai: dict[str, Any]) -> int:
+    """Size of a contiguous CUDA buffer from its ``__cuda_array_interface__``
+    (read once by a caller that needs it for more than the size: with CuPy
+    each read of the property costs)."""
     if cai.get("strides") is not None:
         itemsize = np.dtype(cai["typestr"]).itemsize
         expected = itemsize

@@ -1,6 +1,10 @@
 """A ucx:// connection: sending and receiving messages over its UCX
 endpoint, following its tcp:// control channel, and ending.
 
+The per-message work is compiled: posting sends in ``_ucx_sending``,
+receiving in ``_ucx_receiving`` (``Receiving``, this class's first base,
+holds the receive state).
+
 How the connection is made, tagged, framed and ended is told in ucx.py's
 docstring; the listener and the handshake are there too.
 """
@@ -18,21 +22,15 @@ from ..errors import (
     LimitExceededError,
     ProtocolError,
     TensorwireError,
-    TransportError,
 )
 from ._base import Connection
-from ._delivery import READ_BUDGET_MESSAGES, RecvQueue, call_consumer, consumer_failed
-from ._frame_table import INLINE_FLAG, KIND_DATA, PRELUDE_SIZE, table_size
-from ._frames import (
-    Allocator,
-    FrameInfo,
-    default_allocator,
-    device_nbytes,
-    host_empty,
-    writable_view,
-)
-from ._ucx_messages import INLINE_BYTES, ONE_INLINE, Announced, Outgoing
-from ._ucx_runtime import Runtime, translate, ucx_error_name
+from ._delivery import RecvQueue, call_consumer
+from ._frame_table import PRELUDE_SIZE, table_size
+from ._frames import Allocator, default_allocator
+from ._ucx_messages import INLINE_BYTES
+from ._ucx_receiving import Receiving
+from ._ucx_runtime import Runtime, translate
+from ._ucx_sending import post_messages
 from ._ucx_skipping import RefusedSkipping
 from .config import TransportConfig
 
@@ -44,10 +42,6 @@ BYE = b"bye"
 _COUNT = struct.Struct("<Q")
 TAG_HEADER = 0
 TAG_FRAME = 1
-
-
-def _ignore_completion(request: Any) -> None:
-    """The completion of a send whose connection had already failed."""
 
 
 def to_ucx_url(url: str) -> str:
@@ -70,19 +64,7 @@ async def _await_posted(sending: asyncio.Future[None]) -> None:
         raise
 
 
-def _check_device_buffer(rt: Runtime, buffer: Any, info: FrameInfo) -> None:
-    if not hasattr(buffer, "__cuda_array_interface__"):
-        raise TransportError(f"allocator returned no CUDA buffer for frame {info.index}")
-    if device_nbytes(buffer) != info.nbytes:
-        raise TransportError(
-            f"allocator returned {device_nbytes(buffer)} bytes for frame {info.index} "
-            f"of {info.nbytes}"
-        )
-    if not rt.cuda_support:
-        raise TransportError("a CUDA frame arrived but this UCX has no CUDA support")
-
-
-class UCXConnection(RefusedSkipping, Connection):
+class UCXConnection(Receiving, RefusedSkipping, Connection):
     """A ucx:// connection: UCX endpoint for data, tcp:// for control."""
 
     scheme = "ucx"
@@ -98,7 +80,7 @@ class UCXConnection(RefusedSkipping, Connection):
         peer_worker: bytes,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        self._rt: Runtime | None = runtime
+        self._rt = runtime
         self._control = control
         self._config = config
         self._allocator = allocator or default_allocator
@@ -112,7 +94,7 @@ class UCXConnection(RefusedSkipping, Connection):
         self._tag_frame_in = runtime.Tag(recv_id << 32 | TAG_FRAME)
         try:
             address = api.UCXAddress.create_from_buffer(peer_worker)
-            self._ep: Any = api.UCXEndpoint.create_from_worker_address(
+            self._ep = api.UCXEndpoint.create_from_worker_address(
                 runtime.worker, address, False
             )
         except Exception as exc:
@@ -123,35 +105,17 @@ class UCXConnection(RefusedSkipping, Connection):
         capacity = PRELUDE_SIZE + table_size(config.limits.max_frames) + INLINE_BYTES
         self._header_buf = bytearray(capacity)
         self._header_view = memoryview(self._header_buf)
-        # One wrapper for every header receive (UCX writes into the buffer).
         self._header_array = runtime.Array(self._header_buf)
         self._queue = RecvQueue(self._loop)
-        # Set by deliver_to(): messages go there instead of to recv().
-        self._receiver: Callable[[list[Any]], None] | None = None
-        self._pumping = False
-        # Set by pause_reading(): no receive is posted.
-        self._held = False
+        # The rest of the receive state is Receiving's (its defaults: no
+        # receiver, not held, nothing received).
+        self._frames = []
         self._frames_bytes = 0
-        # Under deliver_to with the default allocator: the largest one-frame
-        # inline message taken by the fast path (0: none).
-        self._fast_max = 0
-        self._small_as_bytearray = False
-        # Set by refuse_oversized(); the message being skipped, its head.
-        self._on_refused: Callable[[LimitExceededError], None] | None = None
+        # The message being skipped, its head (see _ucx_skipping).
         self._skipping: LimitExceededError | None = None
         self._skip_head: bytearray | None = None
-        self._announced: Announced | None = None
-        # Receiving: a header or a message's frames are in flight.
-        self._busy = False
-        self._frames: list[Any] = []
-        self._frames_left = 0
-        self._received = 0
         self._sent = 0
-        # Messages the peer said it sent before its goodbye.
-        self._peer_sent: int | None = None
-        self._error: TensorwireError | None = None
         self._closing = False
-        self._last_activity: float | None = None
         self._watcher = self._loop.create_task(self._watch_control())
 
     # -- Connection API ------------------------------------------------------
@@ -175,21 +139,21 @@ class UCXConnection(RefusedSkipping, Connection):
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:
             raise self._closed_error()
-        sending = self._post_messages([Outgoing(frames)])
+        sending = post_messages(self, (frames,))
         if sending is not None:
             await _await_posted(sending)
 
     async def send_many(self, messages: Sequence[Sequence[Any]]) -> None:
         if self.closed:
             raise self._closed_error()
-        sending = self._post_messages([Outgoing(frames) for frames in messages])
+        sending = post_messages(self, messages)
         if sending is not None:
             await _await_posted(sending)
 
     def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
         if self.closed:
             raise self._closed_error()
-        return self._post_messages([Outgoing(frames) for frames in messages])
+        return post_messages(self, messages)
 
     def deliver_to(self, receiver: Callable[[list[Any]], None], *,
                    small_as_bytearray: bool = False) -> bool:
@@ -244,194 +208,7 @@ class UCXConnection(RefusedSkipping, Connection):
 
     # -- sending ---------------------------------------------------------------
 
-    def _post_messages(self, messages: list[Outgoing]) -> asyncio.Future[None] | None:
-        """Post every part of ``messages`` to UCX now, in order; None when UCX
-        took them all at once, else a future for the rest.
-
-        Posting is synchronous, so messages leave in the order of the calls
-        that posted them, and UCX matches one endpoint's messages with one
-        tag in the order posted: no lock is held while a send completes,
-        and many messages can be under way at once. A message is posted
-        whole or not at all (buffers are checked first), so a cancelled
-        wait never cuts one in half: UCX completes it on its own (the
-        runtime keeps its buffers referenced).
-
-        Raises:
-            ConnectionClosedError: the connection is closed, or UCX refused
-                a post (which ends the connection).
-            TransportError: a frame is not a usable buffer (nothing was sent).
-        """
-        rt = self._rt
-        if rt is None:
-            raise self._closed_error()
-        Array = rt.Array
-        header_tag, frame_tag = self._tag_header_out, self._tag_frame_out
-        parts: list[tuple[Any, Any]] = []
-        try:
-            for message in messages:
-                parts.append((Array(message.header), header_tag))
-                for frame in message.frames:
-                    parts.append((Array(frame), frame_tag))
-        except Exception as exc:
-            raise translate(rt, exc, f"cannot send to {self._peer_address}") from exc
-        ep = self._ep
-        waiting: list[tuple[Any, Any]] = []
-        try:
-            for array, tag in parts:
-                request = ep.tag_send(array, tag)
-                if request.completed:
-                    request.check_error()
-                else:
-                    waiting.append((request, array))
-        except Exception as exc:
-            # What was posted before the failure may still be read by UCX:
-            # its buffers stay referenced until UCX lets go of them.
-            for request, array in waiting:
-                rt.watch(request, array, _ignore_completion)
-            error = translate(rt, exc, f"send to {self._peer_address} failed")
-            self._fail(
-                error
-                if isinstance(error, ConnectionClosedError)
-                else ConnectionClosedError(f"send to {self._peer_address} failed: {error}")
-            )
-            raise self._closed_error() from exc
-        nbytes = 0
-        for message in messages:
-            nbytes += message.nbytes
-        self._sent += len(messages)
-        self.messages_sent += len(messages)
-        self.bytes_sent += nbytes
-        if not waiting:
-            return None
-        done: asyncio.Future[None] = self._loop.create_future()
-        left = len(waiting)
-
-        def completed(request: Any) -> None:
-            nonlocal left
-            if done.done():
-                return
-            if request is None:
-                done.set_exception(self._closed_error())
-                return
-            try:
-                request.check_error()
-            except Exception as exc:
-                error = translate(rt, exc, f"send to {self._peer_address} failed")
-                done.set_exception(error)
-                self._fail(
-                    error
-                    if isinstance(error, ConnectionClosedError)
-                    else ConnectionClosedError(f"send to {self._peer_address} failed: {error}")
-                )
-                return
-            left -= 1
-            if left == 0:
-                done.set_result(None)
-
-        for request, array in waiting:
-            rt.watch(request, array, completed)
-        return done
-
     # -- receiving -------------------------------------------------------------
-
-    def _pump(self) -> None:
-        """Post the next UCX receives while someone takes messages.
-
-        A receive that UCX completes at once (the message was already
-        there, the common case under load) is handled here in the loop,
-        without a round through the runtime's progress.
-        """
-        if self._pumping:
-            return  # re-entered from a delivery: the loop below goes on
-        self._pumping = True
-        budget = READ_BUDGET_MESSAGES
-        try:
-            while self._error is None and not self._busy:
-                rt = self._rt
-                if rt is None:
-                    return
-                wanted = (self._receiver is not None or self._queue.waiters) and not self._held
-                if self._announced is not None:
-                    if not wanted:
-                        return
-                    self._allocate(rt, self._announced)
-                    continue
-                if not wanted:
-                    return
-                if self._peer_sent is not None and self._received >= self._peer_sent:
-                    self._peer_done()
-                    return
-                request = self._post_recv(rt, self._header_array, self._tag_header_in)
-                if request is None:
-                    return
-                if request.completed:
-                    self._header_arrived(request)
-                    budget -= 1
-                    if budget == 0:
-                        # Fairness: a peer whose messages are always there
-                        # already must not keep the loop from everyone else
-                        # (a consumer's inline work counts, it runs here).
-                        self._loop.call_soon(self._pump)
-                        return
-                else:
-                    self._busy = True
-                    rt.watch(request, self._header_array, self._on_header)
-        finally:
-            self._pumping = False
-
-    def _post_recv(self, rt: Runtime, array: Any, tag: Any) -> Any:
-        try:
-            return self._ep.tag_recv(array, tag, rt.TagMaskFull)
-        except Exception as exc:
-            self._fail(translate(rt, exc, f"receive from {self._peer_address} failed"))
-            return None
-
-    def _on_header(self, request: Any) -> None:
-        self._busy = False
-        if self._error is not None or request is None:
-            return
-        self._header_arrived(request)
-        self._pump()
-
-    def _header_arrived(self, request: Any) -> None:
-        self._last_activity = self._loop.time()
-        try:
-            request.check_error()
-        except Exception as exc:
-            if ucx_error_name(exc) == "UCXMessageTruncatedError":
-                limits = self._config.limits
-                self._refuse(
-                    LimitExceededError(
-                        f"message header from {self._peer_address} exceeds "
-                        f"{len(self._header_buf)} bytes (limit of {limits.max_frames} frames)"
-                    )
-                )
-            else:
-                self._fail(translate(self._rt, exc, f"receive from {self._peer_address} failed"))
-            return
-        if self._fast_max:
-            # The RPC hot path (deliver_to with the default allocator): one
-            # small inline host frame, checked and copied out here.
-            header = self._header_view
-            kind, r1, r2, nframes, size, code = ONE_INLINE.unpack_from(header)
-            if (nframes == 1 and code == INLINE_FLAG and kind == KIND_DATA and not (r1 or r2)
-                    and size <= self._fast_max):
-                if self._small_as_bytearray:
-                    self._frames = [self._header_buf[ONE_INLINE.size : ONE_INLINE.size + size]]
-                else:
-                    frame = host_empty(size)
-                    frame.data[:] = header[ONE_INLINE.size : ONE_INLINE.size + size]
-                    self._frames = [frame]
-                self._frames_bytes = size
-                self._finish_message()
-                return
-        try:
-            self._announced = Announced(self._header_view, self._config.limits)
-        except LimitExceededError as exc:
-            if self._on_refused is None or not self._skip(exc):
-                self._refuse(exc)
-        except TensorwireError as exc:
-            self._refuse(exc)
 
     def refuse_oversized(self, on_refused: Callable[[LimitExceededError], None]) -> bool:
         self._on_refused = on_refused
@@ -440,100 +217,6 @@ class UCXConnection(RefusedSkipping, Connection):
     def _refuse(self, exc: TensorwireError) -> None:
         logger.warning("dropping connection from %s: %s", self._peer_address, exc)
         self._fail(exc)
-
-    def _allocate(self, rt: Runtime, announced: Announced) -> None:
-        if self._receiver is not None:
-            waiter: asyncio.Future[list[Any]] | None = None
-            alloc = self._allocator
-        else:
-            waiter, allocator = self._queue.waiters[0]
-            alloc = allocator or self._allocator
-        frames: list[Any] = []
-        targets: list[Any] = []
-        try:
-            for info in announced.infos:
-                buffer = alloc(info)
-                frames.append(buffer)
-                if info.device == "cpu":
-                    view = writable_view(buffer, info)
-                    inline = announced.inline.get(info.index)
-                    if inline is not None:
-                        view[:] = inline
-                    elif info.nbytes:
-                        targets.append(view)
-                else:
-                    _check_device_buffer(rt, buffer, info)
-                    if info.nbytes:
-                        targets.append(buffer)
-        except TensorwireError as exc:
-            self._fail(exc)
-            return
-        except Exception as exc:
-            error = TransportError(f"receive allocator failed: {exc!r}")
-            error.__cause__ = exc
-            self._fail(error)
-            return
-        self._announced = None
-        self._frames = frames
-        self._frames_bytes = announced.nbytes
-        if waiter is not None:
-            self._queue.bind(waiter)
-        left = 0
-        Array = rt.Array
-        for target in targets:
-            array = Array(target)
-            request = self._post_recv(rt, array, self._tag_frame_in)
-            if request is None:
-                return
-            if request.completed:
-                try:
-                    request.check_error()
-                except Exception as exc:
-                    self._fail(
-                        translate(rt, exc, f"receive from {self._peer_address} failed")
-                    )
-                    return
-            else:
-                left += 1
-                rt.watch(request, array, self._on_frame)
-        if left:
-            self._busy = True
-            self._frames_left = left
-        else:
-            if targets:
-                self._last_activity = self._loop.time()
-            self._finish_message()
-
-    def _on_frame(self, request: Any) -> None:
-        if self._error is not None or request is None:
-            return
-        try:
-            request.check_error()
-        except Exception as exc:
-            self._fail(translate(self._rt, exc, f"receive from {self._peer_address} failed"))
-            return
-        self._last_activity = self._loop.time()
-        self._frames_left -= 1
-        if self._frames_left == 0:
-            self._busy = False
-            self._finish_message()
-            self._pump()
-
-    def _finish_message(self) -> None:
-        message, self._frames = self._frames, []
-        self._received += 1
-        self.messages_received += 1
-        self.bytes_received += self._frames_bytes
-        receiver = self._receiver
-        if receiver is None:
-            self._queue.deliver(message)
-        else:
-            try:  # call_consumer, inlined: this runs for every message
-                receiver(message)
-            except Exception as exc:
-                self._fail(consumer_failed(exc, "message receiver", self._peer_address))
-        if self._peer_sent is not None and self._received >= self._peer_sent:
-            self._peer_done()
 
     def _hand_over(self, receiver: Callable[[list[Any]], None], message: list[Any]) -> None:
         error = call_consumer(receiver, message, "message receiver", self._peer_address)

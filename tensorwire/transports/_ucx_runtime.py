@@ -15,7 +15,8 @@ Instead :class:`Runtime` drives the worker from the event loop the way UCX's
 wakeup API is meant to be used: progress, then ``ucp_worker_arm``; when the
 worker is armed the loop sleeps on its epoll descriptor until UCX has news,
 so an idle connection costs nothing. Completed requests are found after each
-progress and their callbacks run on the loop.
+progress and their callbacks run on the loop. That loop runs several times
+per message, so it is compiled (``_ucx_progress.Progress``).
 
 After a completion the runtime keeps polling for a short window
 (``UCXOptions.spin``) before it sleeps, since in a ping-pong the answer
@@ -42,27 +43,20 @@ import logging
 import os
 import secrets
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, TransportError, UnsupportedTransportError
+from ._ucx_progress import PROGRESS_ROUNDS, Progress, SpinGate
 from .config import UCXOptions
 
 __all__ = ("Runtime", "SpinGate", "acquire", "active_runtime", "applied_environment")
 
 logger = logging.getLogger(__name__)
 
-#: A progress pass that ends with the worker still busy (``arm`` refused) is
-#: followed by up to this many more before we yield to the loop.
-_PROGRESS_ROUNDS = 16
 #: While requests are in flight, progress at least this often (seconds) even
 #: without an event: a safety net for a transport that signals no event.
 _WATCHDOG_S = 0.5
-#: After a spin window passed with no answer, skip spinning after this many
-#: completions, doubling (up to _SPIN_SKIP_MAX) while windows keep failing.
-_SPIN_SKIP_FIRST = 2
-_SPIN_SKIP_MAX = 64
 
 #: The UCX environment applied in this process (None until the first use).
 _applied_env: dict[str, str] | None = None
@@ -195,13 +189,19 @@ class Runtime:
             raise translate(self, exc, "cannot start UCX") from exc
         self.address: bytes = self.worker.address.tobytes()
         self.cuda_support: bool = bool(self.context.cuda_support)
-        self._pending: list[tuple[Any, Any, Callback]] = []
-        self._scheduled = False
         self.spin_gate = SpinGate(spin)
+        self._progress = Progress(self.worker, loop, progress_mode == "polling",
+                                  self.spin_gate, self._arm_watchdog)
+        #: ``watch(request, keep, callback)``: call ``callback(request)`` on
+        #: the loop once ``request`` completes; ``keep`` (its buffer) stays
+        #: referenced until then (Progress.watch).
+        self.watch: Callable[[Any, Any, Callback], None] = self._progress.watch
+        #: ``kick()``: progress the worker soon, after posting a request.
+        self.kick: Callable[[], None] = self._progress.kick
         self._watchdog: asyncio.TimerHandle | None = None
         self._ids: set[int] = set()
         assert self._fd is not None
-        loop.add_reader(self._fd, self._run)
+        loop.add_reader(self._fd, self._progress.run)
         logger.debug("UCX worker started (progress mode %s)", progress_mode)
         self.kick()
 
@@ -223,19 +223,18 @@ class Runtime:
         if not self.loop.is_closed():
             self.loop.remove_reader(self._fd)
         self._fd = None
+        progress = self._progress
+        progress.stop()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
         # Let cancelled requests finish so UCX no longer writes into buffers
         # we are about to drop; the buffers of those that do not are kept.
-        for _ in range(_PROGRESS_ROUNDS):
-            if not self._pending:
+        for _ in range(PROGRESS_ROUNDS):
+            if not progress.waiting:
                 break
-            self._progress()
-        unfinished = [keep for request, keep, _ in self._pending if not request.completed]
-        for _, _, callback in self._pending:
-            callback(None)
-        self._pending.clear()
+            progress.progress()
+        unfinished = progress.abandon()
         if unfinished:
             _abandoned.extend(unfinished)
             logger.warning(
@@ -264,119 +263,16 @@ class Runtime:
         """Return a connection id."""
         self._ids.discard(cid)
 
-    # -- requests ---------------------------------------------------------------
-
-    def watch(self, request: Any, keep: Any, callback: Callback) -> None:
-        """Call ``callback(request)`` on the loop once ``request`` completes.
-
-        ``keep`` (the request's buffer) stays referenced until then: UCX may
-        write into it until the request is complete or cancelled.
-        """
-        self._pending.append((request, keep, callback))
-        self.kick()
-
-    def kick(self) -> None:
-        """Progress the worker soon (after posting a request)."""
-        if not self._scheduled and self._fd is not None:
-            self._scheduled = True
-            self.loop.call_soon(self._run)
-
-    def _progress(self) -> None:
-        self.worker.progress()
-        pending = self._pending
-        if not pending:
-            return
-        done = [entry for entry in pending if entry[0].completed]
-        if not done:
-            return
-        self._pending = [entry for entry in pending if not entry[0].completed]
-        self.spin_gate.completed()
-        for request, _, callback in done:
-            try:
-                callback(request)
-            except Exception:
-                logger.exception("UCX completion callback failed")
-
-    def _run(self) -> None:
-        self._scheduled = False
-        if self._fd is None:
-            return
-        try:
-            for _ in range(_PROGRESS_ROUNDS):
-                self._progress()
-                if not self.alive:
-                    # A completion callback released the last reference.
-                    return
-                if self._pending and (
-                    self.progress_mode == "polling" or self.spin_gate.spinning()
-                ):
-                    # Polling trades a core for latency while requests wait.
-                    break
-                if self.worker.arm():
-                    # Armed: the epoll descriptor wakes us when UCX has news.
-                    self._arm_watchdog()
-                    return
-        except Exception:
-            logger.exception("UCX progress failed")
-        self.kick()
+    # -- progress ---------------------------------------------------------------
 
     def _arm_watchdog(self) -> None:
-        if self._pending and self._watchdog is None:
+        """The worker was armed with requests in flight."""
+        if self._watchdog is None:
             self._watchdog = self.loop.call_later(_WATCHDOG_S, self._on_watchdog)
 
     def _on_watchdog(self) -> None:
         self._watchdog = None
-        self._run()
-
-
-class SpinGate:
-    """Whether to keep polling a worker with requests in flight, or sleep.
-
-    :meth:`completed` opens a window of ``window`` seconds (by ``clock``);
-    :meth:`spinning` says whether it is still open. A window that closes
-    with no completion in it is a failed spin: the answer did not come
-    while we polled, most likely because the peer shares our CPU and could
-    not run. Then the next windows stay shut: after a failure the gate
-    skips ``_SPIN_SKIP_FIRST`` completions before it tries again, twice as
-    many after each further failure (at most ``_SPIN_SKIP_MAX``), and a
-    window that gets its answer resets that. So a pair that shares a CPU
-    pays one failed window every ``_SPIN_SKIP_MAX`` calls, not one per call.
-    """
-
-    __slots__ = ("_open", "_opened", "_skip", "_skipping", "clock", "failed", "window")
-
-    def __init__(self, window: float, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.window = window
-        self.clock = clock
-        #: How many windows closed without an answer (for tests and benches).
-        self.failed = 0
-        self._opened = 0.0
-        self._open = False
-        self._skip = 0  # completions to let pass before the next window
-        self._skipping = 0  # the length of the current skip run
-
-    def completed(self) -> None:
-        """A request completed: the answer came; open a window from now."""
-        if self._open:
-            self._skipping = 0  # it came within the window: spinning pays
-        if self._skip:
-            self._skip -= 1
-            self._open = False
-            return
-        self._open = self.window > 0
-        self._opened = self.clock()
-
-    def spinning(self) -> bool:
-        """True while the window is open: poll again rather than sleep."""
-        if not self._open:
-            return False
-        if self.clock() - self._opened < self.window:
-            return True
-        self._open = False
-        self.failed += 1
-        self._skipping = min(max(2 * self._skipping, _SPIN_SKIP_FIRST), _SPIN_SKIP_MAX)
-        self._skip = self._skipping
-        return False
+        self._progress.run()
 
 
 def translate(runtime: Runtime | None, exc: BaseException, what: str) -> TransportError:

@@ -21,12 +21,8 @@ from pathlib import Path
 import pytest
 
 from tensorwire.transports import connect
-from tensorwire.transports._ucx_runtime import (
-    _SPIN_SKIP_FIRST,
-    _SPIN_SKIP_MAX,
-    SpinGate,
-    active_runtime,
-)
+from tensorwire.transports._ucx_progress import SPIN_SKIP_FIRST, SPIN_SKIP_MAX, SpinGate
+from tensorwire.transports._ucx_runtime import active_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,9 +81,9 @@ def test_failed_windows_shut_the_next_ones_longer_and_longer() -> None:
     for _ in range(7):
         skipped.append(completions_skipped(gate))
         fail_window(gate, clock)
-    first = _SPIN_SKIP_FIRST
+    first = SPIN_SKIP_FIRST
     assert skipped == [first, 2 * first, 4 * first, 8 * first, 16 * first,
-                       _SPIN_SKIP_MAX, _SPIN_SKIP_MAX]
+                       SPIN_SKIP_MAX, SPIN_SKIP_MAX]
     assert gate.failed == 8
 
 
@@ -99,10 +95,10 @@ def test_an_answer_within_the_window_resets_the_backoff() -> None:
     for _ in range(3):
         completions_skipped(gate)
         fail_window(gate, clock)
-    assert completions_skipped(gate) == 16 * _SPIN_SKIP_FIRST // 2
+    assert completions_skipped(gate) == 16 * SPIN_SKIP_FIRST // 2
     gate.completed()  # the answer came within the open window
     fail_window(gate, clock)  # and the next window fails
-    assert completions_skipped(gate) == _SPIN_SKIP_FIRST  # the shortest skip again
+    assert completions_skipped(gate) == SPIN_SKIP_FIRST  # the shortest skip again
 
 
 _ECHO_SERVER = """

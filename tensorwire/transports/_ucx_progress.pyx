@@ -1,0 +1,216 @@
+"""Driving a UCX worker from the event loop, compiled: progress, find the
+completed requests, call their callbacks, then poll on a while
+(:class:`SpinGate`) or arm the worker and sleep on its descriptor. This
+runs several times per message, and once per poll while a window is open,
+so its cost is the granularity at which an answer is seen (issue 22).
+
+How and why the runtime progresses this way is told in _ucx_runtime.py's
+docstring; this module holds the loop itself.
+"""
+
+import logging
+import time
+
+logger = logging.getLogger("tensorwire.transports._ucx_runtime")
+
+#: A progress pass that ends with the worker still busy (``arm`` refused) is
+#: followed by up to this many more before we yield to the loop.
+PROGRESS_ROUNDS = 16
+#: After a spin window passed with no answer, skip spinning after this many
+#: completions, doubling (up to SPIN_SKIP_MAX) while windows keep failing.
+SPIN_SKIP_FIRST = 2
+SPIN_SKIP_MAX = 64
+cdef int _PROGRESS_ROUNDS = PROGRESS_ROUNDS
+cdef int _SPIN_SKIP_FIRST = SPIN_SKIP_FIRST
+cdef int _SPIN_SKIP_MAX = SPIN_SKIP_MAX
+
+
+cdef class SpinGate:
+    """Whether to keep polling a worker with requests in flight, or sleep.
+
+    :meth:`completed` opens a window of ``window`` seconds (by ``clock``);
+    :meth:`spinning` says whether it is still open. A window that closes
+    with no completion in it is a failed spin: the answer did not come
+    while we polled, most likely because the peer shares our CPU and could
+    not run. Then the next windows stay shut: after a failure the gate
+    skips ``SPIN_SKIP_FIRST`` completions before it tries again, twice as
+    many after each further failure (at most ``SPIN_SKIP_MAX``), and a
+    window that gets its answer resets that. So a pair that shares a CPU
+    pays one failed window every ``SPIN_SKIP_MAX`` calls, not one per call.
+    """
+
+    cdef readonly double window
+    cdef readonly object clock
+    #: How many windows closed without an answer (for tests and benches).
+    cdef readonly Py_ssize_t failed
+    cdef double _opened
+    cdef bint _open
+    cdef int _skip  # completions to let pass before the next window
+    cdef int _skipping  # the length of the current skip run
+
+    def __init__(self, double window, clock=time.perf_counter):
+        self.window = window
+        self.clock = clock
+        self.failed = 0
+        self._opened = 0.0
+        self._open = False
+        self._skip = 0
+        self._skipping = 0
+
+    cpdef completed(self):
+        """A request completed: the answer came; open a window from now."""
+        if self._open:
+            self._skipping = 0  # it came within the window: spinning pays
+        if self._skip:
+            self._skip -= 1
+            self._open = False
+            return
+        self._open = self.window > 0
+        self._opened = self.clock()
+
+    cpdef bint spinning(self):
+        """True while the window is open: poll again rather than sleep."""
+        if not self._open:
+            return False
+        if self.clock() - self._opened < self.window:
+            return True
+        self._open = False
+        self.failed += 1
+        self._skipping = min(max(2 * self._skipping, _SPIN_SKIP_FIRST), _SPIN_SKIP_MAX)
+        self._skip = self._skipping
+        return False
+
+
+cdef class _Entry:
+    # One waited request: a small object instead of a tuple, so the scan
+    # reads typed fields.
+    cdef object request
+    cdef object keep  # the request's buffer: UCX may use it until it completes
+    cdef object callback
+
+    def __cinit__(self, object request, object keep, object callback):
+        self.request = request
+        self.keep = keep
+        self.callback = callback
+
+
+cdef class Progress:
+    """The progress loop of one worker on one event loop: the requests in
+    flight, the spin gate, and whether a pass is scheduled.
+
+    ``on_armed`` is called when the worker was armed with requests still
+    in flight (the runtime's watchdog)."""
+
+    cdef object worker
+    cdef object loop
+    cdef object on_armed
+    cdef object _run  # this object's run(), bound once
+    cdef list _entries
+    cdef readonly SpinGate gate
+    cdef bint polling
+    cdef bint _scheduled
+    cdef readonly bint stopped
+
+    def __init__(self, worker, loop, bint polling, SpinGate gate, on_armed):
+        self.worker = worker
+        self.loop = loop
+        self.polling = polling
+        self.gate = gate
+        self.on_armed = on_armed
+        self._entries = []
+        self._scheduled = False
+        self.stopped = False
+        self._run = self.run
+
+    @property
+    def waiting(self):
+        """How many requests are in flight."""
+        return len(self._entries)
+
+    def watch(self, request, keep, callback):
+        """Call ``callback(request)`` on the loop once ``request`` completes.
+
+        ``keep`` (the request's buffer) stays referenced until then: UCX may
+        write into it until the request is complete or cancelled.
+        """
+        self._entries.append(_Entry(request, keep, callback))
+        self.kick()
+
+    cpdef kick(self):
+        """Progress the worker soon (after posting a request)."""
+        if not self._scheduled and not self.stopped:
+            self._scheduled = True
+            self.loop.call_soon(self._run)
+
+    cpdef progress(self):
+        """One worker progress; then the completed requests are taken out
+        (one pass over the list), the gate is told, and their callbacks run
+        in the order they were watched. A failing callback is logged, not
+        raised: the others still run."""
+        self.worker.progress()
+        cdef list entries = self._entries
+        cdef list done = None
+        cdef list waiting = None
+        cdef _Entry entry
+        cdef Py_ssize_t i, n = len(entries)
+        for i in range(n):
+            entry = <_Entry>entries[i]
+            if entry.request.completed:
+                if done is None:
+                    # The first completion: what came before still waits.
+                    done = []
+                    waiting = entries[:i]
+                done.append(entry)
+            elif done is not None:
+                waiting.append(entry)
+        if done is None:
+            return
+        # Callbacks may watch new requests: they go to the new list.
+        self._entries = waiting
+        self.gate.completed()
+        for entry in done:
+            try:
+                entry.callback(entry.request)
+            except Exception:
+                logger.exception("UCX completion callback failed")
+
+    def run(self):
+        """A pass: progress until the worker can be armed (then the loop
+        sleeps on its descriptor), or poll again on the next loop turn
+        while requests wait and the mode or the spin window says so."""
+        cdef int rounds
+        self._scheduled = False
+        if self.stopped:
+            return
+        try:
+            for rounds in range(_PROGRESS_ROUNDS):
+                self.progress()
+                if self.stopped:
+                    # A completion callback released the last reference.
+                    return
+                if self._entries and (self.polling or self.gate.spinning()):
+                    # Polling trades a core for latency while requests wait.
+                    break
+                if self.worker.arm():
+                    # Armed: the epoll descriptor wakes us when UCX has news.
+                    if self._entries:
+                        self.on_armed()
+                    return
+        except Exception:
+            logger.exception("UCX progress failed")
+        self.kick()
+
+    def stop(self):
+        """No more passes (the worker is being destroyed)."""
+        self.stopped = True
+
+    def abandon(self):
+        """Call every callback with None and forget the requests; the
+        buffers of those UCX had not finished (they must stay allocated)."""
+        cdef list entries = self._entries
+        cdef _Entry entry
+        self._entries = []
+        unfinished = [entry.keep for entry in entries if not entry.request.completed]
+        for entry in entries:
+            entry.callback(None)
+        return unfinished
