@@ -18,7 +18,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -43,11 +43,9 @@ from ._placement import (
     chunk_tensors,
     place,
 )
+from ._step import Step
 from .config import Job, PSConfig
 from .server import Shard, nbytes
-
-if TYPE_CHECKING:
-    from ._step import Step
 
 __all__ = ("Arrivals", "PSClient", "connect")
 
@@ -341,7 +339,6 @@ class PSClient:
         earlier step of the other workers.
 
         Raises:
-            FailedPrecondition: before :meth:`init`.
             FailedPrecondition: before :meth:`init`, or while a step begun
                 with :meth:`begin_step` is incomplete.
             InvalidArgument: unknown names or wrong shapes.
@@ -424,8 +421,6 @@ class PSClient:
             FailedPrecondition: before :meth:`init`, or the previous step is
                 incomplete (the error names the tensors it lacks).
         """
-        from ._step import Step
-
         self.placement  # noqa: B018 - raises before init()
         self._check_between_steps("begin_step")
         step = self._step = Step(self, self.clock, list(self._specs))
@@ -451,7 +446,7 @@ class PSClient:
         names = list(self._specs) if names is None else list(names)
         arrivals = Arrivals(names)
         left = {name: len(self._chunks_of[name]) for name in names}
-        keys = (None if len(names) == len(self._specs)
+        part = (None if len(names) == len(self._specs)
                 else {c.key for name in names for c in self._chunks_of[name]})
         got: dict[str, Any] = {}
 
@@ -467,7 +462,7 @@ class PSClient:
             with self._operation(method, clock):
                 try:
                     await self._run(method, clock, payloads, order=order, arrived=arrived,
-                                    keys=keys, first=first)
+                                    keys=part, first=first)
                 except BaseException as exc:
                     arrivals._fail(exc)
                     raise
@@ -748,7 +743,7 @@ class PSClient:
     def _tensor(self, name: str, got: Mapping[str, Any]) -> Array:
         """Tensor ``name`` from its chunks' values."""
         spec = self._specs[name]
-        chunks = [c for c in self._chunks if c.name == name]
+        chunks = self._chunks_of[name]
         first = got[chunks[0].key]
         xp = array_module(first)  # where the shards keep the tensor
         if len(chunks) == 1:
