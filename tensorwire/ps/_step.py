@@ -113,8 +113,14 @@ class Step:
         self._left.difference_update(grads)
         first = self._parts == 0
         self._parts += 1
-        # Without priorities a part's messages go in the order its gradients
-        # came; with them, in the model's order (as a whole push).
-        order = (None if self._client.config.priority
-                 else {name: i for i, name in enumerate(grads)})
+        # A part's messages queue for the shards' windows in the order they
+        # were pushed, even with priorities on. In sync mode a message holds
+        # its window place while the shard waits for the other workers'
+        # gradients of its chunks; if a later part's more urgent messages
+        # could overtake queued ones, two workers that got their parts at
+        # different moments would each hold places the other waits for (a
+        # deadlock the DDP benchmark hit). Every worker pushes the parts in
+        # the same order, so in pushed order the oldest message is in
+        # flight everywhere and finishes.
+        order = {name: i for i, name in enumerate(grads)}
         return payloads, order, first

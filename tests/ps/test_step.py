@@ -102,6 +102,30 @@ async def test_each_part_is_back_before_the_next_is_pushed() -> None:
             await c.close()
 
 
+async def test_parts_pushed_at_different_moments_do_not_deadlock() -> None:
+    # One message per chunk, one in flight per shard. Worker 1 has both
+    # parts at once; worker 0 gets the second (more urgent: the first
+    # layers) while the first part's second message holds its window. Had
+    # the urgent part overtaken queued messages, each worker would hold the
+    # window place the other waits for, until the deadline.
+    config = ps.PSConfig(chunk_bytes=256, message_bytes=256, window=1, timeout=5)
+    async with shards(1) as servers:
+        clients = await workers(servers, 2, optimizer=ps.SGD(lr=0.5), config=config)
+        await asyncio.gather(*(c.init(model()) for c in clients))
+        grads = {name: np.ones_like(value) for name, value in model().items()}
+        late = {name: grads[name] for name in ("w", "b")}
+        steps = [c.begin_step() for c in clients]
+        both = [steps[1].push_pull({"v": grads["v"], "c": grads["c"]}),
+                steps[1].push_pull(late)]
+        first = steps[0].push_pull({"v": grads["v"], "c": grads["c"]})
+        await asyncio.sleep(0.1)  # worker 0's backward pass computes the next bucket
+        second = steps[0].push_pull(late)
+        got = await asyncio.gather(first, second, *both)
+        np.testing.assert_array_equal(got[1]["b"], np.full(5, 0.5, np.float32))
+        for c in clients:
+            await c.close()
+
+
 async def test_misuse_of_a_step_is_refused_clearly() -> None:
     async with shards(1) as servers:
         (client,) = await workers(servers, 1)
