@@ -10,9 +10,9 @@ communication dominates) with DDP and each of:
 - ``allreduce``: ``tensorwire.torch.allreduce_hook``;
 - ``allreduce fp16``: the same with ``compression="fp16"``;
 - ``ps``: ``tensorwire.torch.ps_hook`` with one shard served by this
-  process (``ps.Aggregate``: the shard sums, the workers step), over tcp://
-  only (UCX runs one event loop per process, and the parameter-server
-  client's loop is not the group's).
+  process (``ps.Aggregate``: the shard sums, the workers step), over the
+  set's transport; the client runs on the group's loop thread
+  (``loop_of=group``), as ucx:// needs.
 
 Rank 0 reports the median step time (forward, backward with the hook,
 optimizer step) over the timed steps, after warm-up steps.
@@ -87,7 +87,7 @@ def rank_main(args: argparse.Namespace) -> None:
         x = torch.randn(BATCH, spec[0], generator=torch.Generator().manual_seed(rank))
         y = torch.randint(0, spec[2], (BATCH,), generator=torch.Generator().manual_seed(rank))
         for hook in HOOKS:
-            if hook in ("gloo", "ps") and args.transport != "tcp":
+            if hook == "gloo" and args.transport != "tcp":
                 continue
             model = DistributedDataParallel(build(spec))
             client = None
@@ -97,7 +97,7 @@ def rank_main(args: argparse.Namespace) -> None:
                     twt.allreduce_hook)
             elif hook == "ps":
                 client = ps.SyncClient([shards[index]], worker=rank, num_workers=world,
-                                       optimizer=ps.Aggregate(),
+                                       optimizer=ps.Aggregate(), loop_of=group,
                                        config=ps.PSConfig(rpc=ClientConfig(transport=transport)))
                 model.register_comm_hook(twt.PSState(client, model.module), twt.ps_hook)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -125,10 +125,9 @@ async def run_set(world: int, transport: str, args: argparse.Namespace) -> list[
     from tensorwire.collective import launch
 
     listen = f"{transport}://127.0.0.1:0"
-    # The shards listen on tcp:// in every set: UCX runs on one event loop per
-    # process, and the parameter-server client has a loop of its own beside
-    # the group's, so the ps hook is measured in the tcp:// set only.
-    shards = [await ps.serve("tcp://127.0.0.1:0") for _ in MODELS]
+    # The shards listen on the set's transport; each rank's client shares
+    # its group's loop (loop_of=group), as ucx:// runs one loop per process.
+    shards = [await ps.serve(listen) for _ in MODELS]
     out = io.StringIO()
     try:
         argv = [sys.executable, __file__, "--as-rank", "--transport", transport,
@@ -206,8 +205,8 @@ def write(args: argparse.Namespace, table: dict[tuple[int, str, str, str], list[
         "- gloo: DDP's built-in allreduce (its own transport). allreduce: "
         "`tensorwire.torch.allreduce_hook`; fp16: with `compression=\"fp16\"` (half the "
         "bytes); ps: `tensorwire.torch.ps_hook` to one shard in the benchmark's own "
-        "process (`ps.Aggregate`), which serves every rank, over tcp:// only (UCX runs one "
-        "event loop per process, and the parameter-server client's is not the group's).",
+        "process (`ps.Aggregate`), which serves every rank, over the set's transport "
+        "(each bucket pushed as DDP hands it over; the client on the group's loop).",
         "",
     ]
     verdicts = []

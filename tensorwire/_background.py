@@ -1,10 +1,18 @@
 """An event loop in a background thread, for the blocking facades.
 
-``rpc.SyncClient`` and ``ps.SyncClient`` both run their async client here.
-Scheduling and closing share one lock, so a call submitted from another
-thread either gets in before ``close()`` or is refused, never lost; and
-``close()`` lets the calls submitted before it end (they fail fast once the
-client is closed) before it stops the loop, so no caller waits forever.
+``rpc.SyncClient``, ``ps.SyncClient`` and ``collective.SyncGroup`` run their
+async client here. Scheduling and closing share one lock, so a call
+submitted from another thread either gets in before ``close()`` or is
+refused, never lost; and ``close()`` lets the calls submitted before it end
+(they fail fast once the client is closed) before it stops the loop, so no
+caller waits forever.
+
+Several facades may share one loop thread (``BackgroundLoop(name,
+beside=other)``): ucx:// runs one UCX worker per process, driven by one
+event loop, so a process that talks ucx:// through a group and a
+parameter-server client must run both on the same loop. Each facade keeps
+its own calls and its own ``close()``; the thread stops when the last one
+closed.
 """
 
 from __future__ import annotations
@@ -13,11 +21,11 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .errors import FailedPrecondition
 
-__all__ = ("BackgroundLoop",)
+__all__ = ("BackgroundLoop", "HasBackgroundLoop")
 
 T = TypeVar("T")
 
@@ -25,13 +33,56 @@ T = TypeVar("T")
 CLOSE_WAIT = 10.0
 
 
-class BackgroundLoop:
-    """A daemon thread running an event loop; coroutines go in, futures come out."""
+class _LoopThread:
+    """An event loop in a daemon thread, stopped when its last user leaves."""
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
+        self._lock = threading.Lock()
+        self._users = 1
+
+    def join(self) -> None:
+        """One more user.
+
+        Raises:
+            FailedPrecondition: every earlier user left and the loop stopped.
+        """
+        with self._lock:
+            if self._users == 0:
+                raise FailedPrecondition("that background loop was closed")
+            self._users += 1
+
+    def leave(self) -> None:
+        """One user less; the last one stops the loop and joins the thread."""
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            self.loop.close()
+
+
+class BackgroundLoop:
+    """A daemon thread running an event loop; coroutines go in, futures come out.
+
+    Args:
+        name: the thread's name.
+        beside: run on that facade's loop thread instead of a new one.
+
+    Raises:
+        FailedPrecondition: ``beside`` was closed.
+    """
+
+    def __init__(self, name: str, *, beside: BackgroundLoop | None = None) -> None:
+        if beside is None:
+            self._thread = _LoopThread(name)
+        else:
+            beside._thread.join()
+            self._thread = beside._thread
+        self.loop = self._thread.loop
         self._lock = threading.Lock()
         self._closed = False
         self._running: set[concurrent.futures.Future[Any]] = set()
@@ -61,7 +112,8 @@ class BackgroundLoop:
             raise
 
     def close(self, closing: Coroutine[Any, Any, Any] | None = None) -> None:
-        """Run ``closing`` (the client's close), let earlier calls end, stop the thread."""
+        """Run ``closing`` (the client's close), let earlier calls end, and
+        leave the thread (stopped once no facade shares it any more)."""
         with self._lock:
             if self._closed:
                 if closing is not None:
@@ -77,6 +129,13 @@ class BackgroundLoop:
             for future in unfinished:
                 future.cancel()
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
-            self.loop.close()
+            self._thread.leave()
+
+
+class HasBackgroundLoop(Protocol):
+    """A blocking facade whose loop thread another one may share (``loop_of=``)."""
+
+    @property
+    def background(self) -> BackgroundLoop:
+        """The facade's background loop."""
+        ...

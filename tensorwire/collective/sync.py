@@ -29,7 +29,7 @@ import concurrent.futures
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .._background import BackgroundLoop
+from .._background import BackgroundLoop, HasBackgroundLoop
 from ..errors import InvalidArgument
 from ._arrays import ReduceOp
 from .config import GroupConfig
@@ -66,8 +66,10 @@ class SyncGroup:
         rank, world_size: as :class:`Group`'s.
     """
 
-    def __init__(self, join: Callable[[], Coroutine[Any, Any, Group]], name: str) -> None:
-        self._background = BackgroundLoop(name)
+    def __init__(self, join: Callable[[], Coroutine[Any, Any, Group]], name: str,
+                 loop_of: HasBackgroundLoop | None = None) -> None:
+        self._background = BackgroundLoop(
+            name, beside=None if loop_of is None else loop_of.background)
         self.loop = self._background.loop
         try:
             self.group: Group = self._background.run(join()).result()
@@ -79,27 +81,41 @@ class SyncGroup:
 
     @classmethod
     def create(cls, *, rank: int, world_size: int, master: str, listen: str | None = None,
-               host_master: bool | None = None,
-               config: GroupConfig | None = None) -> SyncGroup:
+               host_master: bool | None = None, config: GroupConfig | None = None,
+               loop_of: HasBackgroundLoop | None = None) -> SyncGroup:
         """Join a group as :meth:`Group.create` does; blocks until every rank joined.
+
+        ``loop_of``: run on that facade's background loop thread rather
+        than a new one (see the class).
 
         Raises:
             What :meth:`Group.create` raises.
+            FailedPrecondition: ``loop_of`` is closed.
         """
         return cls(lambda: Group.create(rank=rank, world_size=world_size, master=master,
                                         listen=listen, host_master=host_master, config=config),
-                   f"tensorwire-group rank {rank}")
+                   f"tensorwire-group rank {rank}", loop_of)
 
     @classmethod
     def from_env(cls, *, listen: str | None = None, config: GroupConfig | None = None,
-                 environ: Mapping[str, str] | None = None) -> SyncGroup:
+                 environ: Mapping[str, str] | None = None,
+                 loop_of: HasBackgroundLoop | None = None) -> SyncGroup:
         """Join the group a launcher describes, as :meth:`Group.from_env` does.
+
+        ``loop_of``: as in :meth:`create`.
 
         Raises:
             What :meth:`Group.from_env` raises.
+            FailedPrecondition: ``loop_of`` is closed.
         """
         return cls(lambda: Group.from_env(listen=listen, config=config, environ=environ),
-                   "tensorwire-group")
+                   "tensorwire-group", loop_of)
+
+    @property
+    def background(self) -> BackgroundLoop:
+        """The background loop this group runs on; pass the group as
+        ``loop_of=`` to run another facade on the same thread."""
+        return self._background
 
     # -- running things on the loop -------------------------------------------------
 

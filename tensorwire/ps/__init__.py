@@ -41,10 +41,11 @@ from ._placement import (
     relocate,
     resize,
 )
+from ._step import Step
 from .client import Arrivals, PSClient, connect
 from .config import Job, PSConfig, ShardConfig
 from .server import Shard, ShardServer, serve
-from .sync import SyncClient
+from .sync import SyncClient, SyncStep
 
 __all__ = (
     "BF16",
@@ -70,7 +71,9 @@ __all__ = (
     "Shard",
     "ShardConfig",
     "ShardServer",
+    "Step",
     "SyncClient",
+    "SyncStep",
     "TensorSpec",
     "TopK",
     "balance",

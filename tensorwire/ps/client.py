@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from ..errors import (
 )
 from . import _rebalance, _reshard
 from ._arrays import array_module, like
+from ._arrivals import Arrivals
 from ._compress import CompressionSpec, ErrorFeedback, Payload, compressor_for
 from ._consistency import Mode
 from ._links import ShardLinks
@@ -42,6 +43,7 @@ from ._placement import (
     chunk_tensors,
     place,
 )
+from ._step import Step
 from .config import Job, PSConfig
 from .server import Shard, nbytes
 
@@ -136,52 +138,6 @@ def _batch(shard: int, group: list[Chunk], rank: Mapping[str, int]) -> _Batch:
     return _Batch(shard, tuple(group), [c.key for c in group], min(rank[c.name] for c in group))
 
 
-class Arrivals:
-    """The tensors of one pull or push_pull, each as soon as all its chunks
-    are back: ``await arrivals[name]`` for one, ``async for name, value in
-    arrivals`` in arrival order, ``await arrivals`` for the whole dict. The
-    next forward pass can start on the first layers while the rest arrive.
-    """
-
-    def __init__(self, names: Sequence[str]) -> None:
-        loop = asyncio.get_running_loop()
-        self._futures: dict[str, asyncio.Future[Array]] = {
-            name: loop.create_future() for name in names}
-        for future in self._futures.values():
-            # An error reaches every tensor; no "never retrieved" noise.
-            future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._arrived: asyncio.Queue[str] = asyncio.Queue()
-        self.task: asyncio.Task[dict[str, Array]] | None = None
-
-    def _deliver(self, name: str, value: Array) -> None:
-        self._futures[name].set_result(value)
-        self._arrived.put_nowait(name)
-
-    def _fail(self, error: BaseException) -> None:
-        for future in self._futures.values():
-            if not future.done():
-                future.set_exception(error)
-        self._arrived.put_nowait("")
-
-    def __getitem__(self, name: str) -> asyncio.Future[Array]:
-        return self._futures[name]
-
-    def __aiter__(self) -> AsyncIterator[tuple[str, Array]]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[tuple[str, Array]]:
-        for _ in range(len(self._futures)):
-            name = await self._arrived.get()
-            if not name:
-                assert self.task is not None
-                await self.task  # raises the error
-            yield name, self._futures[name].result()
-
-    def __await__(self) -> Generator[Any, None, dict[str, Array]]:
-        assert self.task is not None
-        return self.task.__await__()
-
-
 class PSClient:
     """One worker's connection to every shard. Make it with :func:`connect`.
 
@@ -219,13 +175,19 @@ class PSClient:
         self._specs: dict[str, TensorSpec] = {}
         self._rank: dict[str, int] = {}
         self._chunks: tuple[Chunk, ...] = ()
+        self._chunks_of: dict[str, list[Chunk]] = {}
         self._placement: Placement | None = None
         self._batches: list[_Batch] = []
+        #: Batches of the parts of steps (begin_step), by their chunk keys:
+        #: DDP hands the same buckets every step.
+        self._part_batches: dict[frozenset[str], list[_Batch]] = {}
         #: The placement version every call carries (0: computed by init).
         self.version = 0
         self._refreshing = asyncio.Lock()
         #: Steps this worker has pushed (the clock of its next push).
         self.clock = 0
+        #: The step being pushed in parts (begin_step), until it is complete.
+        self._step: Step | None = None
         self._running = 0  # operations in flight
         self._metrics = Metrics()
 
@@ -299,6 +261,7 @@ class PSClient:
                          if a not in addresses]
         self._shards.addresses, self._placement, self.version = addresses, placement, version
         self._batches = _batches(placement, self.config.message_bytes, self._rank)
+        self._part_batches.clear()
         after = [self.link_class(s) for s in range(placement.num_shards)]
         for key, shard in placement.shard_of.items():
             was = old.get(key)
@@ -345,7 +308,11 @@ class PSClient:
         self._specs = {name: TensorSpec.of(name, array) for name, array in arrays.items()}
         self._rank = {name: i for i, name in enumerate(self._specs)}
         self._chunks = tuple(chunk_tensors(self._specs.values(), self.config.chunk_bytes))
+        self._chunks_of = {name: [] for name in self._specs}
+        for chunk in self._chunks:
+            self._chunks_of[chunk.name].append(chunk)
         self._placement = None
+        self._step = None  # a step begun under the old layout
         self._use(self.addresses, place(self._chunks, len(self.addresses)), 0)
         self._shards.seen.clear()
         self._shards.pushed.clear()
@@ -372,10 +339,12 @@ class PSClient:
         earlier step of the other workers.
 
         Raises:
-            FailedPrecondition: before :meth:`init`.
+            FailedPrecondition: before :meth:`init`, or while a step begun
+                with :meth:`begin_step` is incomplete.
             InvalidArgument: unknown names or wrong shapes.
             DeadlineExceeded: (from the task) the wait outlasted ``config.timeout``.
         """
+        self._check_between_steps("push")
         clock, payloads, order = self._prepare(grads)
 
         async def push() -> None:
@@ -392,11 +361,12 @@ class PSClient:
         A tensor held as one chunk arrives as a view of the received buffer.
 
         Raises:
-            FailedPrecondition: before :meth:`init`.
+            FailedPrecondition: before :meth:`init`, or while a step begun
+                with :meth:`begin_step` is incomplete.
             DeadlineExceeded: (from the task) the wait outlasted
                 ``config.timeout``; the message names the workers behind.
         """
-        return self._arrivals("pull", self.clock, {}, None).task  # type: ignore[return-value]
+        return self.pull_each().task  # type: ignore[return-value]
 
     def push_pull(self, grads: Mapping[str, Array]) -> asyncio.Task[dict[str, Array]]:
         """``push`` then ``pull`` in one round trip per shard message.
@@ -410,8 +380,10 @@ class PSClient:
         """:meth:`pull`, handing back each tensor as soon as it arrived.
 
         Raises:
-            FailedPrecondition: before :meth:`init`.
+            FailedPrecondition: before :meth:`init`, or while a step begun
+                with :meth:`begin_step` is incomplete.
         """
+        self._check_between_steps("pull")
         return self._arrivals("pull", self.clock, {}, None)
 
     def push_pull_each(self, grads: Mapping[str, Array]) -> Arrivals:
@@ -424,16 +396,58 @@ class PSClient:
         Raises:
             What :meth:`push` and :meth:`pull` raise.
         """
+        self._check_between_steps("push_pull")
         clock, payloads, order = self._prepare(grads)
         return self._arrivals("push_pull", clock, payloads, order)
 
-    def _arrivals(self, method: str, clock: int, payloads: Mapping[str, Any],
-                  order: Mapping[str, int] | None) -> Arrivals:
+    def begin_step(self) -> Step:
+        """Begin a step whose gradients are pushed in parts, as they become
+        ready (a DDP hook pushes each bucket as the backward pass hands it
+        over)::
+
+            step = client.begin_step()
+            first = step.push_pull({"fc2.weight": g2, "fc2.bias": b2})
+            rest = step.push_pull({"fc1.weight": g1, "fc1.bias": b1})
+
+        Every part carries the step's clock; the step is complete once each
+        tensor was pushed in exactly one part. The shards keep clocks and
+        sums per chunk, so a step pushed in parts leaves them exactly where
+        one :meth:`push` of the same gradients would (in every consistency
+        mode, with compression and its error feedback too). Until the step
+        is complete, :meth:`push`, :meth:`pull`, :meth:`push_pull` and the
+        next ``begin_step`` are refused.
+
+        Raises:
+            FailedPrecondition: before :meth:`init`, or the previous step is
+                incomplete (the error names the tensors it lacks).
+        """
         self.placement  # noqa: B018 - raises before init()
-        arrivals = Arrivals(list(self._specs))
-        left = {name: 0 for name in self._specs}
-        for chunk in self._chunks:
-            left[chunk.name] += 1
+        self._check_between_steps("begin_step")
+        step = self._step = Step(self, self.clock, list(self._specs))
+        self.clock += 1
+        return step
+
+    def _check_between_steps(self, what: str) -> None:
+        step = self._step
+        if step is not None and not step.complete:
+            missing = step.missing
+            raise FailedPrecondition(
+                f"{what}() while step {step.clock} is incomplete: no gradient was pushed "
+                f"for {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                f"({len(missing)} tensors)")
+
+    def _arrivals(self, method: str, clock: int, payloads: Mapping[str, Any],
+                  order: Mapping[str, int] | None, names: Sequence[str] | None = None,
+                  first: bool = True) -> Arrivals:
+        """The tensors ``names`` (default: all) of ``method`` at ``clock``
+        as they arrive; ``first``: the operation opens its step (a
+        rebalancing check may run before it)."""
+        self.placement  # noqa: B018 - raises before init()
+        names = list(self._specs) if names is None else list(names)
+        arrivals = Arrivals(names)
+        left = {name: len(self._chunks_of[name]) for name in names}
+        part = (None if len(names) == len(self._specs)
+                else {c.key for name in names for c in self._chunks_of[name]})
         got: dict[str, Any] = {}
 
         def arrived(keys: Sequence[str], values: Sequence[Any]) -> None:
@@ -447,11 +461,12 @@ class PSClient:
         async def run() -> dict[str, Array]:
             with self._operation(method, clock):
                 try:
-                    await self._run(method, clock, payloads, order=order, arrived=arrived)
+                    await self._run(method, clock, payloads, order=order, arrived=arrived,
+                                    keys=part, first=first)
                 except BaseException as exc:
                     arrivals._fail(exc)
                     raise
-            return {name: arrivals[name].result() for name in self._specs}
+            return {name: arrivals[name].result() for name in names}
 
         arrivals.task = asyncio.get_running_loop().create_task(run())
         # Whoever reads only some tensors saw the error there already.
@@ -556,12 +571,28 @@ class PSClient:
     def _prepare(self, grads: Mapping[str, Array]
                  ) -> tuple[int, dict[str, Payload], dict[str, int] | None]:
         """Check and compress the gradients and take a clock, all before any await."""
-        placement = self.placement
+        self.placement  # noqa: B018 - raises before init()
         if set(grads) != set(self._specs):
             raise InvalidArgument(
                 f"push() needs a gradient for each tensor: unknown "
                 f"{sorted(set(grads) - set(self._specs))}, missing "
                 f"{sorted(set(self._specs) - set(grads))}")
+        payloads = self._compress(grads)
+        clock = self.clock
+        self.clock += 1
+        # Without priorities messages go in the order the gradients came
+        # (FIFO, as produced by the backward pass).
+        order = None if self.config.priority else {name: i for i, name in enumerate(grads)}
+        return clock, payloads, order
+
+    def _compress(self, grads: Mapping[str, Array]) -> dict[str, Payload]:
+        """The payload of each chunk of ``grads`` (known names), each through
+        the error feedback of its shard's link class.
+
+        Raises:
+            InvalidArgument: a wrong shape; compression of a device array.
+        """
+        placement = self.placement
         flat: dict[str, Array] = {}
         for name, grad in grads.items():
             spec = self._specs[name]
@@ -573,7 +604,7 @@ class PSClient:
             flat[name] = xp.ascontiguousarray(array, dtype=np.dtype(spec.dtype)).reshape(-1)
         links = [self.link_class(s) for s in range(placement.num_shards)]
         payloads: dict[str, Payload] = {}
-        for chunk in self._chunks:
+        for chunk in (c for name in flat for c in self._chunks_of[name]):
             grad = flat[chunk.name][chunk.start:chunk.stop]
             carried = self._carry.pop(chunk.key, None)
             if carried is not None:
@@ -584,12 +615,7 @@ class PSClient:
                     f"{chunk.name!r}: gradient compression ({feedback.compressor.name}) "
                     "runs on host arrays; push CuPy gradients uncompressed")
             payloads[chunk.key] = feedback.compress(chunk.key, grad)
-        clock = self.clock
-        self.clock += 1
-        # Without priorities messages go in the order the gradients came
-        # (FIFO, as produced by the backward pass).
-        order = None if self.config.priority else {name: i for i, name in enumerate(grads)}
-        return clock, payloads, order
+        return payloads
 
     @contextlib.contextmanager
     def _operation(self, name: str, clock: int) -> Iterator[None]:
@@ -614,20 +640,26 @@ class PSClient:
     async def _run(self, method: str, clock: int, data: Mapping[str, Any], *,
                    order: Mapping[str, int] | None = None,
                    arrived: Callable[[Sequence[str], Sequence[Any]], None] | None = None,
+                   keys: set[str] | None = None, first: bool = True,
                    ) -> dict[str, Any]:
-        """``method`` for every chunk, a message per batch, each through its
-        shard's window; a batch redirected to a new placement is sent again
-        under it. ``data``: per chunk key the payload (push, push_pull), per
-        tensor name the flat values (init). Returns the results per chunk."""
-        if method in ("push", "push_pull"):
+        """``method`` for every chunk (of ``keys``, default all), a message
+        per batch, each through its shard's window; a batch redirected to a
+        new placement is sent again under it. ``data``: per chunk key the
+        payload (push, push_pull), per tensor name the flat values (init).
+        ``first``: this opens its step, so a rebalancing check may run (a
+        later part of a step does not check again). Returns the results per
+        chunk."""
+        if method in ("push", "push_pull") and first:
             await _rebalance.maybe_rebalance(self, clock)
         results: dict[str, Any] = {}
         while True:
             version = self.version
-            left = {c.key for c in self._chunks} - set(results)
-            batches = (self._batches if not results and order is None
-                       else _batches(self.placement, self.config.message_bytes,
-                                     order or self._rank, left))
+            if not results and order is None:
+                batches = self._batches if keys is None else self._batches_of(keys)
+            else:
+                left = ({c.key for c in self._chunks} if keys is None else keys) - set(results)
+                batches = _batches(self.placement, self.config.message_bytes,
+                                   order or self._rank, left)
             tasks = [asyncio.ensure_future(self._send(b, method, clock, data, version,
                                                       order is not None))
                      for b in batches]
@@ -651,6 +683,15 @@ class PSClient:
             if moved is None:
                 return results
             await _reshard.refresh(self, moved)
+
+    def _batches_of(self, keys: set[str]) -> list[_Batch]:
+        """The batches of the chunks ``keys`` (a part of a step), cached."""
+        frozen = frozenset(keys)
+        found = self._part_batches.get(frozen)
+        if found is None:
+            found = self._part_batches[frozen] = _batches(
+                self.placement, self.config.message_bytes, self._rank, keys)
+        return found
 
     async def _send(self, batch: _Batch, method: str, clock: int, data: Mapping[str, Any],
                     version: int, fifo: bool) -> tuple[_Batch, Any]:
@@ -700,7 +741,7 @@ class PSClient:
     def _tensor(self, name: str, got: Mapping[str, Any]) -> Array:
         """Tensor ``name`` from its chunks' values."""
         spec = self._specs[name]
-        chunks = [c for c in self._chunks if c.name == name]
+        chunks = self._chunks_of[name]
         first = got[chunks[0].key]
         xp = array_module(first)  # where the shards keep the tensor
         if len(chunks) == 1:

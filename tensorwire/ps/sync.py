@@ -20,14 +20,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .._background import BackgroundLoop
+from .._background import BackgroundLoop, HasBackgroundLoop
 from ._compress import CompressionSpec
 from ._consistency import Mode
 from ._optim import Optimizer
+from ._step import Step
 from .client import PSClient, connect
 from .config import PSConfig
 
-__all__ = ("SyncClient",)
+__all__ = ("SyncClient", "SyncStep")
 
 T = TypeVar("T")
 Array = np.ndarray[Any, Any]
@@ -39,8 +40,15 @@ class SyncClient:
     Takes the arguments of :func:`tensorwire.ps.connect` and connects at once.
     Calls run in the order they are made (each takes its clock then).
 
+    ``loop_of``: run on that blocking facade's background loop thread (a
+    :class:`tensorwire.collective.SyncGroup`, another client) instead of a
+    thread of its own. ucx:// needs it when a process uses ucx:// for both:
+    UCX runs one worker per process, driven by one event loop. The thread
+    stops when the last facade on it closed.
+
     Raises:
         ConfigError, Unavailable: as :func:`tensorwire.ps.connect`.
+        FailedPrecondition: ``loop_of`` is closed.
     """
 
     def __init__(
@@ -54,8 +62,11 @@ class SyncClient:
         staleness: int = 0,
         compression: CompressionSpec = None,
         config: PSConfig | None = None,
+        loop_of: HasBackgroundLoop | None = None,
     ) -> None:
-        self._background = BackgroundLoop(f"tensorwire-ps worker {worker}")
+        self._background = BackgroundLoop(
+            f"tensorwire-ps worker {worker}",
+            beside=None if loop_of is None else loop_of.background)
         self._run = self._background.run
         self._wait = self._background.wait
         try:
@@ -72,6 +83,11 @@ class SyncClient:
     def client(self) -> PSClient:
         """The async client underneath (use it only on its own loop)."""
         return self._client
+
+    @property
+    def background(self) -> BackgroundLoop:
+        """The background loop this client runs on (for another facade's ``loop_of=``)."""
+        return self._background
 
     @property
     def imbalance(self) -> float:
@@ -114,6 +130,17 @@ class SyncClient:
         """See :meth:`PSClient.push_pull`."""
         return self._wait(self.submit_push_pull(grads))
 
+    def begin_step(self) -> SyncStep:
+        """See :meth:`PSClient.begin_step`: a step pushed in parts.
+
+        Raises:
+            What :meth:`PSClient.begin_step` raises.
+        """
+        async def begin() -> Step:
+            return self._client.begin_step()
+
+        return SyncStep(self, self._wait(self._run(begin())))
+
     def checkpoint(self) -> list[str]:
         """See :meth:`PSClient.checkpoint`."""
         return self._wait(self._start(self._client.checkpoint))
@@ -140,3 +167,47 @@ class SyncClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class SyncStep:
+    """A :class:`~tensorwire.ps.Step` of a :class:`SyncClient`:
+    ``submit_*`` return at once with a future, the others block.
+
+    A part's checks run on the client's loop, so a misuse (a tensor pushed
+    twice in the step) fails its future, or the blocking call.
+
+    Attributes:
+        step: the async step underneath (use it only on the client's loop).
+        clock: the step's clock.
+    """
+
+    def __init__(self, client: SyncClient, step: Step) -> None:
+        self._client = client
+        self.step = step
+        self.clock = step.clock
+
+    def submit_push(self, grads: Mapping[str, Array]) -> concurrent.futures.Future[None]:
+        """Start :meth:`Step.push <tensorwire.ps.Step.push>`."""
+        return self._client._start(lambda: self.step.push(grads))
+
+    def submit_push_pull(
+        self, grads: Mapping[str, Array]
+    ) -> concurrent.futures.Future[dict[str, Array]]:
+        """Start :meth:`Step.push_pull <tensorwire.ps.Step.push_pull>`."""
+        return self._client._start(lambda: self.step.push_pull(grads))
+
+    def push(self, grads: Mapping[str, Array]) -> None:
+        """Push a part; blocks until the shards took it.
+
+        Raises:
+            What :meth:`Step.push <tensorwire.ps.Step.push>` raises.
+        """
+        self._client._wait(self.submit_push(grads))
+
+    def push_pull(self, grads: Mapping[str, Array]) -> dict[str, Array]:
+        """Push a part and read its tensors back; blocks.
+
+        Raises:
+            What :meth:`Step.push_pull <tensorwire.ps.Step.push_pull>` raises.
+        """
+        return self._client._wait(self.submit_push_pull(grads))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..collective import Algorithm, Group, ReduceOp, SyncGroup
 from ..errors import ConfigError
-from ..ps import Aggregate, CompressionSpec, SyncClient, compressor_for
+from ..ps import Aggregate, CompressionSpec, SyncClient, SyncStep, compressor_for
 from ._compressed import CompressedAllreduce
 
 __all__ = ("AllreduceState", "PSState", "allreduce_hook", "ps_hook")
@@ -189,25 +189,28 @@ class PSState:
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(torch.from_numpy(np.asarray(start[name])).view_as(param))
-        self._grads: dict[str, np.ndarray[Any, Any]] = {}
-        self._views: dict[str, torch.Tensor] = {}
-        self._waiting: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = []
+        #: The step being pushed, bucket by bucket (begun at bucket 0).
+        self._step: SyncStep | None = None
         self.error: BaseException | None = None
 
-    def _take(self, bucket: GradBucket) -> None:
-        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            name = self._names[param.data_ptr()]
-            self._grads[name] = grad.numpy()
-            self._views[name] = grad
+    def _part(self, bucket: GradBucket) -> tuple[dict[str, np.ndarray[Any, Any]],
+                                                 dict[str, torch.Tensor]]:
+        """The bucket's gradients by parameter name: as arrays to push, and
+        as the views of the bucket's buffer to write the answer into."""
+        views = {self._names[param.data_ptr()]: grad
+                 for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True)}
+        return {name: grad.numpy() for name, grad in views.items()}, views
 
-    def _finish(self, result: dict[str, Any]) -> None:
-        """Write the shards' answer into the buckets (and, for parameters, the model)."""
+    def _finish(self, views: dict[str, torch.Tensor], result: dict[str, Any]) -> None:
+        """Write the shards' answer into a bucket (and, for parameters, the model)."""
         with torch.no_grad():
-            for name, view in self._views.items():
+            for name, view in views.items():
                 value = torch.from_numpy(np.asarray(result[name])).view_as(view)
                 if self.mode == "gradient":
                     view.copy_(value).div_(self.num_workers)
                 else:
+                    # Autograd is done with this parameter: its bucket is
+                    # ready only once every use of it has its gradient.
                     self._params[name].copy_(value)
                     view.zero_()
 
@@ -215,31 +218,39 @@ class PSState:
 def ps_hook(state: PSState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Push each bucket's gradients to the parameter server; DDP's comm hook.
 
-    Buckets are collected until the last one of the step; then one
-    ``push_pull`` sends them all (its keys are the parameter names, which
-    stay put when DDP rebuilds its buckets after the first step) and every
-    bucket's future is completed with what the shards answered (see
-    :class:`PSState` for the two modes).
+    The first bucket of a backward pass begins a step
+    (:meth:`tensorwire.ps.SyncClient.begin_step`); each bucket is pushed as
+    a part of it as soon as DDP hands it over, while autograd computes the
+    next ones, and its future is completed when the shards answered for
+    its parameters (see :class:`PSState` for the two modes). The keys are
+    the parameter names, which stay put when DDP rebuilds its buckets after
+    the first step. A step pushed in parts leaves the shards exactly where
+    one push of the whole model would.
+
+    Raises:
+        FailedPrecondition: the previous backward pass stopped part-way, so
+            its step lacks some buckets (in sync mode the shards wait for
+            them; restart from a checkpoint).
     """
-    state._take(bucket)
+    if bucket.index() == 0:
+        state._step = state.client.begin_step()
+    step = state._step
+    if step is None:  # pragma: no cover - DDP hands bucket 0 first
+        raise ConfigError("ps_hook got a bucket before bucket 0 of the step")
+    grads, views = state._part(bucket)
+    done = step.submit_push_pull(grads)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state._waiting.append((future, bucket.buffer()))
-    if not bucket.is_last():
-        return future
-    grads, waiting = state._grads, state._waiting
-    state._grads, state._waiting = {}, []
-    done = state.client.submit_push_pull(grads)
+    buffer = bucket.buffer()
 
     def finish(done: concurrent.futures.Future[Any]) -> None:
         if not done.cancelled() and done.exception() is None:
             try:
-                state._finish(done.result())
+                state._finish(views, done.result())
             except Exception as exc:  # a shard answered something that does not fit
                 failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
                 failed.set_exception(exc)
                 done = failed
-        state._views = {}
-        _complete(state, [f for f, _ in waiting], [b for _, b in waiting], done)
+        _complete(state, future, [buffer], done)
 
     done.add_done_callback(finish)
     return future

@@ -107,6 +107,40 @@ async def test_ps_hook_matches_local_sgd(tmp_path: Path) -> None:
     for r in reports:
         assert r["params"] < 1e-5, r
         assert r["grads"] < 1e-5, r
+        for job in ("params", "grads"):
+            assert r[f"{job}_buckets"] >= 2, r  # so the first and last differ
+            # Every step's first bucket was back from the shards before DDP
+            # handed over the last: each bucket goes out during backward.
+            # (DDP's first step, before it rebuilds its buckets, may hand
+            # all over as one.)
+            back = r[f"{job}_first_back_before_last"]
+            assert len(back) >= 7 and all(back), r
+
+
+async def test_allreduce_and_ps_hooks_over_ucx_in_one_process(tmp_path: Path) -> None:
+    # ucx:// runs one UCX worker per process on one event loop: the PS
+    # client runs on the group's loop thread (loop_of=group).
+    if importlib.util.find_spec("ucxx") is None:
+        pytest.skip("ucxx is not installed")
+    from tensorwire import ps
+
+    shard = await ps.serve("ucx://127.0.0.1:0")
+    try:
+        reports, log, code = await run("ps_ucx", 2, tmp_path,
+                                       {"PS_ADDRESSES": shard.addresses[0]},
+                                       listen="ucx://127.0.0.1:0")
+    finally:
+        await shard.close(checkpoint=False)
+    assert code == [0] * len(code), log[-4000:]
+    assert len(reports) == 2, log[-4000:]
+    for r in reports:
+        assert r["group_listens"].startswith("ucx://"), r
+        assert r["shards"] == [shard.addresses[0]], r
+        assert r["shards"][0].startswith("ucx://"), r
+        assert r["moved"] > 1e-2, r
+        assert r["diff"] < 1e-5, r
+        assert r["same_bits"], r
+        assert r["ps"] < 1e-5, r
 
 
 @pytest.mark.slow
