@@ -34,6 +34,15 @@ _HEAD, _DATA, _BACK = 1, 2, 3
 _ANNOUNCE = 1 << 63
 
 
+def _receive_buffer(backs: dict[int, np.ndarray[Any, Any]], nbytes: int) -> np.ndarray[Any, Any]:
+    """The one receive buffer kept for ``nbytes`` (a raw user keeps one per size)."""
+    back = backs.get(nbytes)
+    if back is None:
+        backs.clear()
+        back = backs[nbytes] = np.empty(nbytes, np.uint8)
+    return back
+
+
 # -- the coalescing asyncio Protocol echo ----------------------------------------
 
 
@@ -176,10 +185,7 @@ class _SocketCaller(_Caller):
             return tiny_back
 
         async def tensor(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-            back = backs.get(arr.nbytes)
-            if back is None:
-                backs.clear()
-                back = backs[arr.nbytes] = np.empty(arr.nbytes, np.uint8)
+            back = _receive_buffer(backs, arr.nbytes)
             sock.sendall(_LENGTH.pack(arr.nbytes))
             sock.sendall(arr)
             if not _recv_into(sock, memoryview(back)):
@@ -266,10 +272,7 @@ class _UCXXCaller(_Caller):
             return tiny_back
 
         async def tensor(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-            back = backs.get(arr.nbytes)
-            if back is None:
-                backs.clear()
-                back = backs[arr.nbytes] = np.empty(arr.nbytes, np.uint8)
+            back = _receive_buffer(backs, arr.nbytes)
             announce = np.frombuffer(_LENGTH.pack(_ANNOUNCE | arr.nbytes), np.uint8).copy()
             await ep.send(announce, tag=_HEAD, force_tag=True)
             await ep.send(arr.view(np.uint8).reshape(-1), tag=_DATA, force_tag=True)
