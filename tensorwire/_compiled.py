@@ -19,6 +19,7 @@ __all__ = ("MODULES", "require", "status")
 #: Every compiled module of the package (a ``.pyx`` beside its ``.pyi``).
 MODULES: tuple[str, ...] = (
     "tensorwire._counters",
+    "tensorwire._eager",
     "tensorwire.rpc._calls",
     "tensorwire.rpc._calls_in_flight",
     "tensorwire.rpc._client_core",

@@ -30,7 +30,7 @@ from ..errors import (
     Status,
     Unavailable,
 )
-from ..transports._eager import start_eagerly
+from .._eager import start_eagerly
 from . import protocol
 from ._calls import SERVER
 from ._wire import encode_response

@@ -13,8 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from .._eager import start_eagerly
 from ..errors import ConnectionClosedError, LimitExceededError
-from ._eager import start_eagerly
 from ._frames import Allocator
 
 __all__ = ("Connection", "ConnectionHandler", "Listener", "serve_connection")

@@ -15,9 +15,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .._eager import start_eagerly
 from ..errors import ConnectionClosedError, TensorwireError
 from ._base import Connection
-from ._eager import start_eagerly
 from ._stream_writes import outgoing_many
 
 __all__ = ("StreamSending",)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tensorwire.transports._eager import start_eagerly
+from tensorwire._eager import start_eagerly
 
 
 async def test_a_coroutine_that_never_suspends_needs_no_task() -> None:
