@@ -1,3 +1,4 @@
+# cython: language_level=3, annotation_typing=False
 """Decoder: (header, buffers) -> Python values.
 
 The decoder unpacks the body in one C call; an ``ext_hook`` rebuilds the ext
