@@ -27,6 +27,8 @@ MODULES: tuple[str, ...] = (
     "tensorwire.rpc._driver_core",
     "tensorwire.rpc._slots",
     "tensorwire.rpc._wire",
+    "tensorwire.serde._decoder",
+    "tensorwire.serde._encoder",
     "tensorwire.transports._frame_table",
     "tensorwire.transports._stream_framing",
     "tensorwire.transports._stream_writes",

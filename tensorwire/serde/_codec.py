@@ -1,7 +1,7 @@
 """The codec's module-level ``encode`` and ``decode``: one
 :class:`~._encoder.Encoder` and one :class:`~._decoder.Decoder` per thread.
 
-The encoder is in ``_encoder.py``, the decoder in ``_decoder.py``; the
+The encoder is compiled in ``_encoder.pyx``, the decoder in ``_decoder.pyx``; the
 header they share is described in ``_format.py`` and docs/protocol.md.
 """
 

@@ -1,3 +1,4 @@
+# cython: language_level=3, annotation_typing=False
 """Encoder: Python values -> (header, buffers).
 
 The encoder walks the value once in Python, with ``type(x) is``-style dispatch

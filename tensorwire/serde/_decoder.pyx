@@ -1,3 +1,4 @@
+# cython: language_level=3, annotation_typing=False
 """Decoder: (header, buffers) -> Python values.
 
 The decoder unpacks the body in one C call; an ``ext_hook`` rebuilds the ext
@@ -255,57 +256,8 @@ class Decoder:
 
     def _ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_ARRAY:
-            # Fast path, inlined here to save a call per array: the common
-            # C-ordered, out-of-band NumPy array in a transport's 1-D uint8
-            # buffer. Anything else (or any failed check) takes the general
-            # path in _decode_array, which does the same checks and says why.
-            size = len(data)
-            if size >= ARRAY_HEAD_SIZE:
-                kind, dcode, flags, ndim, _, ref = ARRAY_HEAD.unpack_from(data)
-                if (
-                    kind == KIND_NDARRAY
-                    and flags == 0
-                    and size == ARRAY_HEAD_SIZE + 8 * ndim <= _FAST_MAX
-                ):
-                    dtype = CODE_TO_DTYPE[dcode]
-                    used = self._used
-                    if dtype is not None and ref < len(used) and not used[ref]:
-                        shape = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
-                        count = shape[0] if ndim == 1 else math.prod(shape)
-                        buf = self._bufs[ref]
-                        nbytes = count * dtype.itemsize
-                        tb = type(buf)
-                        arr = None
-                        if 0 < count <= self._max_elements:
-                            if tb is np.ndarray and buf.dtype is _U8 and buf.shape == (nbytes,):
-                                # 1-D uint8 of the right size; view() itself refuses a
-                                # non-contiguous one (-> general path, which says why).
-                                try:  # (try is free in 3.11; suppress() is not)
-                                    arr = buf.view(dtype)
-                                except ValueError:
-                                    arr = None
-                            elif tb is memoryview and buf.nbytes == nbytes and buf.c_contiguous:
-                                arr = np.frombuffer(buf, dtype=dtype)  # e.g. in-process
-                        if arr is not None:
-                            used[ref] = 1
-                            self._taken += 1
-                            if not arr.flags.aligned:
-                                arr = arr.copy()  # see the class docstring
-                            return arr if ndim == 1 else arr.reshape(shape)
-                elif kind == KIND_NDARRAY and flags == FLAG_INLINE and ndim <= MAX_NDIM and not ref:
-                    # Inline fast path: small C-ordered array in the descriptor.
-                    offset = ARRAY_HEAD_SIZE + 8 * ndim
-                    dtype = CODE_TO_DTYPE[dcode]
-                    if dtype is not None and size >= offset:
-                        shape = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
-                        count = shape[0] if ndim == 1 else math.prod(shape)
-                        nbytes = count * dtype.itemsize
-                        if 0 < count <= self._max_elements and size - offset == nbytes:
-                            # A copy: the header's bytes are immutable, and the
-                            # result must be writable like any decoded array.
-                            arr = np.frombuffer(data, dtype, count, offset).copy()
-                            return arr if ndim == 1 else arr.reshape(shape)
-            return self._decode_array(data)
+            arr = self._array_fast(data)
+            return arr if arr is not None else self._decode_array(data)
         if code == EXT_TUPLE:
             return tuple(self._nested(data, "tuple"))
         if code == EXT_BYTES:
@@ -327,6 +279,59 @@ class Decoder:
         if code == EXT_REGISTERED:
             return self._decode_registered(data)
         raise DecodeError(f"unknown ext type code {code}")
+
+    def _array_fast(self, data: bytes) -> Any:
+        """The common array, quickly; None: take _decode_array. Handles the
+        C-ordered, out-of-band NumPy array in a transport's 1-D uint8 buffer
+        and the small inline one; any failed check leaves the general path,
+        which does the same checks, to say why."""
+        size = len(data)
+        if size >= ARRAY_HEAD_SIZE:
+            kind, dcode, flags, ndim, _, ref = ARRAY_HEAD.unpack_from(data)
+            if (
+                kind == KIND_NDARRAY
+                and flags == 0
+                and size == ARRAY_HEAD_SIZE + 8 * ndim <= _FAST_MAX
+            ):
+                dtype = CODE_TO_DTYPE[dcode]
+                used = self._used
+                if dtype is not None and ref < len(used) and not used[ref]:
+                    shape = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
+                    count = shape[0] if ndim == 1 else math.prod(shape)
+                    buf = self._bufs[ref]
+                    nbytes = count * dtype.itemsize
+                    tb = type(buf)
+                    arr = None
+                    if 0 < count <= self._max_elements:
+                        if tb is np.ndarray and buf.dtype is _U8 and buf.shape == (nbytes,):
+                            # 1-D uint8 of the right size; view() itself refuses a
+                            # non-contiguous one (-> general path, which says why).
+                            try:  # (try is free in 3.11; suppress() is not)
+                                arr = buf.view(dtype)
+                            except ValueError:
+                                arr = None
+                        elif tb is memoryview and buf.nbytes == nbytes and buf.c_contiguous:
+                            arr = np.frombuffer(buf, dtype=dtype)  # e.g. in-process
+                    if arr is not None:
+                        used[ref] = 1
+                        self._taken += 1
+                        if not arr.flags.aligned:
+                            arr = arr.copy()  # see the class docstring
+                        return arr if ndim == 1 else arr.reshape(shape)
+            elif kind == KIND_NDARRAY and flags == FLAG_INLINE and ndim <= MAX_NDIM and not ref:
+                # Inline fast path: small C-ordered array in the descriptor.
+                offset = ARRAY_HEAD_SIZE + 8 * ndim
+                dtype = CODE_TO_DTYPE[dcode]
+                if dtype is not None and size >= offset:
+                    shape = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
+                    count = shape[0] if ndim == 1 else math.prod(shape)
+                    nbytes = count * dtype.itemsize
+                    if 0 < count <= self._max_elements and size - offset == nbytes:
+                        # A copy: the header's bytes are immutable, and the
+                        # result must be writable like any decoded array.
+                        arr = np.frombuffer(data, dtype, count, offset).copy()
+                        return arr if ndim == 1 else arr.reshape(shape)
+        return None
 
     def _nested(self, data: bytes, what: str) -> Any:
         self._depth += 1
