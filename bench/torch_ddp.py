@@ -19,6 +19,8 @@ optimizer step) over the timed steps, after warm-up steps.
 
     python bench/torch_ddp.py             # writes bench/results/torch_ddp.md
     python bench/torch_ddp.py --quick     # fewer steps
+    python bench/torch_ddp.py --worlds 2 --models large --hooks gloo,allreduce \\
+        --output /tmp/ddp.md                # a subset (gloo always runs over tcp://)
 """
 
 from __future__ import annotations
@@ -83,10 +85,12 @@ def rank_main(args: argparse.Namespace) -> None:
     rank = group.rank
     shards = os.environ["BENCH_SHARDS"].split(",")
     for index, (name, spec) in enumerate(MODELS.items()):
+        if name not in args.models:
+            continue
         steps, warm = (args.steps_large, 1) if "large" in name else (args.steps_small, 3)
         x = torch.randn(BATCH, spec[0], generator=torch.Generator().manual_seed(rank))
         y = torch.randint(0, spec[2], (BATCH,), generator=torch.Generator().manual_seed(rank))
-        for hook in HOOKS:
+        for hook in args.hooks:
             if hook == "gloo" and args.transport != "tcp":
                 continue
             model = DistributedDataParallel(build(spec))
@@ -131,7 +135,8 @@ async def run_set(world: int, transport: str, args: argparse.Namespace) -> list[
     out = io.StringIO()
     try:
         argv = [sys.executable, __file__, "--as-rank", "--transport", transport,
-                "--steps-small", str(args.steps_small), "--steps-large", str(args.steps_large)]
+                "--steps-small", str(args.steps_small), "--steps-large", str(args.steps_large),
+                "--models", ",".join(args.models), "--hooks", ",".join(args.hooks)]
         env = {**os.environ, "BENCH_SHARDS": ",".join(s.addresses[0] for s in shards),
                "PYTHONPATH": str(ROOT)}
         result = await launch(argv, world, listen=listen, env=env, output=out)
@@ -152,6 +157,16 @@ def main() -> None:
     parser.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
     parser.add_argument("--steps-small", type=int, default=40, help=argparse.SUPPRESS)
     parser.add_argument("--steps-large", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--worlds", type=_choices([str(w) for w in WORLDS]),
+                        default=[str(w) for w in WORLDS],
+                        help="comma-separated world sizes (default: all)")
+    parser.add_argument("--transports", type=_choices(TRANSPORTS), default=TRANSPORTS,
+                        help="comma-separated transports (default: all)")
+    parser.add_argument("--models", type=_choices(MODELS), default=list(MODELS),
+                        help="comma-separated models, by the first word of their name "
+                             "(example, large; default: all)")
+    parser.add_argument("--hooks", type=_choices(HOOKS), default=HOOKS,
+                        help="comma-separated hooks (default: all)")
     args = parser.parse_args()
     if args.as_rank:
         rank_main(args)
@@ -161,14 +176,43 @@ def main() -> None:
     before = os.getloadavg()
     started = time.time()
     table: dict[tuple[int, str, str, str], list[float]] = {}
-    for world in WORLDS:
-        for transport in TRANSPORTS:
+    for world in map(int, args.worlds):
+        for transport in args.transports:
             print(f"{world} processes over {transport}:// ...", flush=True)
             for row in asyncio.run(run_set(world, transport, args)):
                 variant = "gloo" if row["hook"] == "gloo" else f"{row['hook']} {transport}://"
                 table[world, row["model"], variant, transport] = row["times"]
     write(args, table, time.time() - started, before, os.getloadavg())
     print(f"wrote {args.output}")
+
+
+def _choices(names: Any) -> Any:
+    """An argparse type: a comma-separated subset of ``names``, each given
+    whole or by its first word, in ``names``' order."""
+    names = list(names)
+
+    def parse(text: str) -> list[str]:
+        wanted = set()
+        for item in text.split(","):
+            found = [n for n in names if item.strip() in (n, n.split()[0])]
+            if not found:
+                raise argparse.ArgumentTypeError(f"{item!r} is not one of {names}")
+            # "allreduce" names that hook alone, not "allreduce fp16" too.
+            wanted.add(next((n for n in found if n == item.strip()), found[0]))
+        return [n for n in names if n in wanted]
+
+    return parse
+
+
+def _subset(args: argparse.Namespace) -> list[str]:
+    """The options of this run, as given on the command line."""
+    out = ["--quick"] if args.quick else []
+    for name, full in (("worlds", [str(w) for w in WORLDS]), ("transports", TRANSPORTS),
+                       ("models", list(MODELS)), ("hooks", HOOKS)):
+        chosen = getattr(args, name)
+        if chosen != full:
+            out.append(f"--{name} '{','.join(chosen)}'")
+    return out
 
 
 def version(name: str) -> str:
@@ -187,7 +231,7 @@ def write(args: argparse.Namespace, table: dict[tuple[int, str, str, str], list[
     lines = [
         "# DDP step time: gloo and tensorwire's hooks",
         "",
-        f"Command: `python bench/torch_ddp.py{' --quick' if args.quick else ''}` "
+        f"Command: `python bench/torch_ddp.py{' '.join(['', *_subset(args)])}` "
         f"(took {took:.0f} s)",
         "",
         f"- CPU: {cpu}, {os.cpu_count()} cores, loopback only; Linux {platform.release()}",
@@ -210,22 +254,23 @@ def write(args: argparse.Namespace, table: dict[tuple[int, str, str, str], list[
         "",
     ]
     verdicts = []
-    for world in WORLDS:
+    for world in map(int, args.worlds):
         lines += [f"## {world} processes", "",
                   "| model | variant | step time (ms), median | min-max (ms) | vs gloo |",
                   "|---|---|---:|---:|---:|"]
-        for model in MODELS:
-            gloo = statistics.median(table[world, model, "gloo", "tcp"])
+        for model in args.models:
+            baseline = table.get((world, model, "gloo", "tcp"))
+            gloo = statistics.median(baseline) if baseline else None
             for (w, m, variant, _), times in table.items():
                 if w != world or m != model:
                     continue
                 median = statistics.median(times)
                 lines.append(f"| {model} | {variant} | {median * 1e3:,.1f} | "
                              f"{min(times) * 1e3:,.1f}-{max(times) * 1e3:,.1f} | "
-                             f"{gloo / median:.2f}x |")
-            for transport in TRANSPORTS:
+                             + (f"{gloo / median:.2f}x |" if gloo else "- |"))
+            for transport in args.transports:
                 key = (world, model, f"allreduce {transport}://", transport)
-                if key in table:
+                if key in table and gloo:
                     ratio = gloo / statistics.median(table[key])
                     verdicts.append((world, model, transport, ratio))
         lines.append("")
