@@ -45,6 +45,7 @@ class CompressedAllreduce:
         self.timeout = timeout
         self._feedback = ErrorFeedback(codec)
         self._residuals: dict[int, torch.Tensor] = {}
+        self._low: dict[int, torch.Tensor] = {}
 
     async def run(self, group: Group, index: int, bucket: torch.Tensor) -> torch.Tensor:
         """Average ``bucket`` (a contiguous CPU float tensor) in place; returns it."""
@@ -53,22 +54,32 @@ class CompressedAllreduce:
             total = await self._cast_reduce(group, index, grad)
         else:
             total = await self._gather_reduce(group, index, grad)
-        np.divide(total, group.world_size, out=grad, casting="unsafe")
+        np.divide(total, group.world_size, out=grad, casting="unsafe")  # total may be grad
         return bucket
 
     async def _cast_reduce(self, group: Group, index: int, grad: Array) -> Array:
         # In torch: its casts and 16-bit arithmetic are vectorized, NumPy's
         # go element by element (several times slower on a large bucket).
+        # Every step reuses the bucket's residual and 16-bit buffer, in
+        # place: fresh tensors of a large bucket's size cost more in page
+        # faults than the halved bytes save on the wire.
         g = torch.from_numpy(grad)
         residual = self._residuals.get(index)
-        corrected = g + residual if residual is not None and residual.shape == g.shape \
-            else g.clone()
-        low = corrected.to(torch.float16 if self.codec.name == "fp16" else torch.bfloat16)
-        # What the cast dropped waits for the next step.
-        self._residuals[index] = corrected.sub_(low.to(g.dtype))
+        low = self._low.get(index)
+        if residual is None or low is None or residual.shape != g.shape:
+            # The first step, or DDP rebuilt its buckets: the old residual
+            # belongs to another layout.
+            residual = self._residuals[index] = g.clone()
+            low = self._low[index] = torch.empty(
+                g.shape, dtype=torch.float16 if self.codec.name == "fp16" else torch.bfloat16)
+        else:
+            residual.add_(g)  # the corrected gradient
+        low.copy_(residual)
+        residual.sub_(low)  # what the cast dropped waits for the next step
         await group.allreduce(low, ReduceOp.SUM, algorithm=self.algorithm,
                               timeout=self.timeout)
-        return low.to(g.dtype).numpy()
+        g.copy_(low)
+        return grad
 
     async def _gather_reduce(self, group: Group, index: int, grad: Array) -> Array:
         # ErrorFeedback keeps residuals only for codecs that ask for it;
