@@ -19,7 +19,7 @@ class Limits:
             type); the top-level value is depth 0.
         max_header_bytes: largest header, prefix included. The header also
             bounds the number of items and containers (every item costs at
-            least one byte), inlined bytes and big integers.
+            least one byte), bytes carried inline and big integers.
         max_buffers: most out-of-band buffers in one message.
         max_array_elements: most elements one array may claim (its logical
             size, so a broadcast array counts in full).

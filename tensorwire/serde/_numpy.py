@@ -46,7 +46,7 @@ def byte_view(data: np.ndarray[Any, Any]) -> memoryview:
 
 def encode_ndarray(arr: np.ndarray[Any, Any], bufs: list[Any], threshold: int,
                    broadcast: bool = False) -> ExtType:
-    """Describe ``arr`` as an EXT_ARRAY; append its data to ``bufs`` unless inlined.
+    """Describe ``arr`` as an EXT_ARRAY; append its data to ``bufs`` unless it travels inline.
     ``broadcast``: send zero-strided axes once (``Limits.broadcast``).
 
     Raises:

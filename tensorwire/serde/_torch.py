@@ -82,7 +82,7 @@ def is_tensor(obj: object) -> bool:
 def encode_tensor(tensor: Any, bufs: list[Any], threshold: int) -> ExtType:
     """Describe a tensor as an EXT_ARRAY of kind torch.
 
-    CPU data below ``threshold`` is inlined; CUDA data always goes out of band
+    CPU data below ``threshold`` travels inline in the header; CUDA data always goes out of band
     as a device buffer (a 1-D ``torch.uint8`` CUDA tensor).
 
     Raises:
