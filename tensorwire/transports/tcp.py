@@ -3,10 +3,12 @@
 Plain TCP drives a non-blocking socket directly from the event loop
 (``add_reader`` / ``add_writer``, on asyncio and uvloop alike): sends are
 scatter-gather ``sendmsg`` calls over the frames themselves, never joined
-into one bytes object, and receives are ``recv_into`` straight into each
-frame's final buffer. asyncio's own transports would copy the unsent rest
-of a large write into their buffer (CPython 3.11 ``_SelectorSocketTransport``),
-which doubles peak memory for a large frame.
+into one bytes object, and receives are ``recv`` calls straight into each
+frame's final buffer. Both run in the compiled core (``_stream_core.pyx``,
+whose ``_on_readable`` is the ``add_reader`` callback itself). asyncio's own
+transports would copy the unsent rest of a large write into their buffer
+(CPython 3.11 ``_SelectorSocketTransport``), which doubles peak memory for a
+large frame.
 
 TLS has to encrypt, which copies anyway, so it runs on asyncio's SSL
 transport with a ``BufferedProtocol`` (receives still land in the frame's
