@@ -1,11 +1,15 @@
 """What every byte-stream connection shares: the handshake, handing the
 frame reader's messages to ``recv()`` or a receiver, pausing, close.
 
-Sending is in ``_stream_sending.py``. A concrete driver supplies the I/O:
+The per-message part (reading a socket, handing messages out within the
+fairness budget, writing at once) is compiled, in ``_stream_core.pyx``;
+sending is in ``_stream_sending.py``. A concrete driver supplies the I/O:
 ``_write`` (send a list of buffers),
 ``_pause_reading`` / ``_resume_reading``, ``_shutdown_write`` and
-``_close_io``; it feeds received bytes to ``self._reader`` and calls
-``_after_read()`` / ``_on_eof()`` / ``_fail()``.
+``_close_io``; it reads the socket it sets as ``_sock`` with the core's
+``_on_readable``, or feeds received bytes to ``self._reader`` itself and
+calls ``_note_progress()`` / ``_after_read()``; and ``_on_eof()`` /
+``_fail()``.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConnectionClosedError, LimitExceededError, TensorwireError, TransportError
-from ._delivery import READ_BUDGET_MESSAGES, RecvQueue, call_consumer, consumer_failed
+from ._delivery import READ_BUDGET_MESSAGES, RecvQueue, call_consumer
 from ._frames import Allocator, default_allocator
-from ._stream_framing import GOODBYE, FrameReader, Refused
+from ._stream_core import StreamCore
+from ._stream_framing import GOODBYE, FrameReader
 from ._stream_sending import StreamSending
 from .config import TransportConfig
 
@@ -27,21 +32,12 @@ __all__ = ("StreamConnection",)
 
 logger = logging.getLogger(__name__)
 
-#: Mid-message bytes show the peer alive (``last_activity``) only this many
-#: at a time: any useful transfer rate passes a quantum every fraction of a
-#: second, a peer trickling bytes to hold the connection open never does.
-LIVENESS_QUANTUM = 64 * 1024
 
-#: Small messages that arrived whole are handed to the queue of received
-#: messages even before a recv() asks for them, up to this many: a burst of
-#: small messages from one read then costs the consumer no wake-up and the
-#: socket no pause and resume per message. The bound keeps a consumer that
-#: does not call recv() pushing back on its sender.
-READ_AHEAD_MESSAGES = 64
+class StreamConnection(StreamCore, StreamSending):
+    """A connection over an ordered byte stream, speaking docs/protocol.md.
 
-
-class StreamConnection(StreamSending):
-    """A connection over an ordered byte stream, speaking docs/protocol.md."""
+    The per-message work (reading, handing out, writing at once) is its
+    compiled first base, ``StreamCore``; here is the rest."""
 
     coalesces_sends = True
 
@@ -91,10 +87,6 @@ class StreamConnection(StreamSending):
     @property
     def peer_address(self) -> str:
         return self._peer_address
-
-    @property
-    def closed(self) -> bool:
-        return self._error is not None or self._closing
 
     @property
     def last_activity(self) -> float | None:
@@ -158,14 +150,6 @@ class StreamConnection(StreamSending):
         if error is not None:
             self._fail(error)
 
-    def _note_progress(self, nbytes: int) -> None:
-        """``nbytes`` more arrived (and were parsed): update ``last_activity``."""
-        self.bytes_received += nbytes
-        self._unseen_bytes += nbytes
-        if self._reader.events or self._unseen_bytes >= LIVENESS_QUANTUM:
-            self._unseen_bytes = 0
-            self._last_activity = self._loop.time()
-
     def _kick(self) -> None:
         if self._pump():
             self._resume_reading()
@@ -213,12 +197,6 @@ class StreamConnection(StreamSending):
             raise TransportError(
                 f"no tensorwire handshake from {self._peer_address} within {seconds} s"
             ) from None
-
-    def _after_read(self) -> bool:
-        """Hand out what the reader produced; False: stop reading for now."""
-        if not self._handshake.done() and not self._reader.awaiting_handshake:
-            self._handshake.set_result(None)
-        return self._pump()
 
     def _on_eof(self) -> None:
         if self._error is None:
@@ -269,95 +247,6 @@ class StreamConnection(StreamSending):
         closed = ConnectionClosedError(f"connection to {self._peer_address} failed: {error}")
         closed.__cause__ = error
         return closed
-
-    def _go_on(self) -> None:
-        """A later turn's share of the work a read callback left (see _pump)."""
-        self._yielded = False
-        self._budget = READ_BUDGET_MESSAGES
-        if self._error is None:
-            self._kick()
-
-    def _pump(self) -> bool:
-        """Hand out what the reader has, within this turn's budget, and
-        allocate the next message for its consumer; False: stop reading
-        for now (paused, out of budget, waiting for a recv(), or ended)."""
-        reader = self._reader
-        events = reader.events
-        while not reader.paused:
-            if events:
-                if self._budget <= 0:
-                    # Fairness: give the loop back; a later turn goes on
-                    # (meanwhile the driver does not read).
-                    if not self._yielded:
-                        self._yielded = True
-                        self._loop.call_soon(self._go_on)
-                    return False
-                if not self._hand_out():
-                    return False
-                continue
-            if reader.frames_announced is None:
-                return self._error is None
-            if self._receiver is not None:
-                if not self._allocate(self._allocator):
-                    return False
-                continue
-            if not self._queue.waiters:
-                if (
-                    self._read_ahead
-                    and reader.message_buffered
-                    and len(self._queue.ready) < READ_AHEAD_MESSAGES
-                ):
-                    # Already received whole: take it out of the read-ahead
-                    # buffer now (see READ_AHEAD_MESSAGES).
-                    reader.allocate(default_allocator)
-                    continue
-                return False
-            waiter, allocator = self._queue.waiters[0]
-            if not self._allocate(allocator or self._allocator):
-                return False
-            self._queue.bind(waiter)
-        return False
-
-    def _hand_out(self) -> bool:
-        """Pass the messages at the front of the reader's events on (the
-        compiled loop, ``FrameReader.hand_out``), or act on the goodbye or
-        refusal there; False: the connection ended."""
-        reader = self._reader
-        receiver = self._receiver
-        try:
-            handed = reader.hand_out(receiver or self._queue.deliver, self._budget)
-        except Exception as exc:
-            # The connection ends here, and its counts with it.
-            self._fail(consumer_failed(exc, "message receiver", self._peer_address))
-            return False
-        if handed:
-            self._budget -= handed
-            self.messages_received += handed
-            return self._error is None
-        # None handed out, within budget and not paused: a goodbye or a
-        # refusal is at the front.
-        event = reader.events.popleft()
-        self._budget -= 1
-        if isinstance(event, Refused):
-            self.messages_received += 1
-            self._refused(event.error)
-            return self._error is None
-        self._fail(ConnectionClosedError(f"connection closed by the peer {self._peer_address}"))
-        return False
-
-    def _allocate(self, allocator: Allocator) -> bool:
-        """Allocate the announced message; False: that failed the connection."""
-        try:
-            self._reader.allocate(allocator)
-        except TensorwireError as exc:
-            self._fail(exc)
-            return False
-        except Exception as exc:
-            error = TransportError(f"receive allocator failed: {exc!r}")
-            error.__cause__ = exc
-            self._fail(error)
-            return False
-        return True
 
     @abc.abstractmethod
     def _resume_reading(self) -> None: ...

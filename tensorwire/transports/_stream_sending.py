@@ -1,11 +1,13 @@
 """Sending on a byte stream: messages as the buffers of one scatter-gather
-write (``_stream_writes.outgoing_many``, compiled), the send lock, writing at once where
-the socket takes it, and finishing a message whose sender was cancelled
-part-way (the peer's framing must hold).
+write (``_stream_writes.outgoing_many``, compiled), the send lock, writing
+from a task what the socket did not take at once, and finishing a message
+whose sender was cancelled part-way (the peer's framing must hold).
 
 A part of :class:`~._stream_connection.StreamConnection`, in a module of its own: the
-connection's state it works on is declared below for the type checker; the
-driver (tcp://) supplies ``_write``, ``_write_now`` and ``_shutdown_write``.
+connection's state it works on is declared below for the type checker.
+``send_nowait`` and writing at once are per message, and compiled
+(``_stream_core.pyx``); the driver (tcp://) supplies ``_write`` and
+``_shutdown_write``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._eager import start_eagerly
 from ..errors import ConnectionClosedError, TensorwireError
 from ._base import Connection
 from ._stream_writes import outgoing_many
@@ -36,6 +37,10 @@ class StreamSending(Connection):
 
         def _closed_error(self) -> TensorwireError: ...
         def _fail(self, error: TensorwireError) -> None: ...
+        # Compiled, in StreamCore (_stream_core.pyx).
+        def _count_out(self, messages: int, nbytes: int) -> None: ...
+        def _may_write_now(self) -> bool: ...
+        def _write_at_once(self, buffers: list[Any]) -> asyncio.Task[None] | None: ...
 
     async def send(self, frames: Sequence[Any]) -> None:
         if self.closed:
@@ -59,46 +64,6 @@ class StreamSending(Connection):
         buffers, nbytes = outgoing_many(messages, self)
         self._count_out(len(messages), nbytes)
         await self._send_locked(buffers)
-
-    def _count_out(self, messages: int, nbytes: int) -> None:
-        """Count ``messages`` of ``nbytes`` in all going out."""
-        self.messages_sent += messages
-        self.bytes_sent += nbytes
-
-    def send_nowait(self, messages: Sequence[Sequence[Any]]) -> asyncio.Future[None] | None:
-        if self.closed:
-            raise self._closed_error()
-        buffers, nbytes = outgoing_many(messages, self)
-        self._count_out(len(messages), nbytes)
-        if not self._may_write_now():
-            # Started now, not from a task's first step: it takes its place
-            # in the send lock's queue before this returns, so a send()
-            # called afterwards cannot overtake it.
-            return start_eagerly(self._send_locked(buffers))
-        return self._write_at_once(buffers)
-
-    def _may_write_now(self) -> bool:
-        """True when nothing else is being sent: a message may go to the
-        socket at once, without the send lock."""
-        return self._writes_now and not self._send_lock.locked() and self._tail is None
-
-    def _write_at_once(self, buffers: list[Any]) -> asyncio.Task[None] | None:
-        """Write what the socket takes now of ``buffers`` (see
-        ``_may_write_now``); the task that writes the rest, if any.
-
-        Raises:
-            ConnectionClosedError: the write failed (the connection ends).
-        """
-        try:
-            self._write_now(buffers)
-        except OSError as exc:
-            raise self._write_failed(exc) from exc
-        if not buffers:
-            return None
-        # The socket is full part-way: the rest follows from a task, and the
-        # next send waits for it, as after a cancelled send.
-        tail = self._tail = self._loop.create_task(self._finish(buffers, report=True))
-        return tail
 
     async def _send_locked(self, buffers: list[Any]) -> None:
         async with self._send_lock:
@@ -147,14 +112,6 @@ class StreamSending(Connection):
                 raise error from exc
         finally:
             self._tail = None
-
-    #: Whether the driver can write without waiting (``_write_now``).
-    _writes_now = False
-
-    def _write_now(self, buffers: list[Any]) -> None:
-        """Write what the socket takes now of ``buffers``, removing it from
-        their front; raises OSError when the write fails."""
-        raise NotImplementedError
 
     @abc.abstractmethod
     async def _write(self, buffers: list[Any]) -> None:

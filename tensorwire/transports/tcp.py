@@ -3,10 +3,12 @@
 Plain TCP drives a non-blocking socket directly from the event loop
 (``add_reader`` / ``add_writer``, on asyncio and uvloop alike): sends are
 scatter-gather ``sendmsg`` calls over the frames themselves, never joined
-into one bytes object, and receives are ``recv_into`` straight into each
-frame's final buffer. asyncio's own transports would copy the unsent rest
-of a large write into their buffer (CPython 3.11 ``_SelectorSocketTransport``),
-which doubles peak memory for a large frame.
+into one bytes object, and receives are ``recv`` calls straight into each
+frame's final buffer. Both run in the compiled core (``_stream_core.pyx``,
+whose ``_on_readable`` is the ``add_reader`` callback itself). asyncio's own
+transports would copy the unsent rest of a large write into their buffer
+(CPython 3.11 ``_SelectorSocketTransport``), which doubles peak memory for a
+large frame.
 
 TLS has to encrypt, which copies anyway, so it runs on asyncio's SSL
 transport with a ``BufferedProtocol`` (receives still land in the frame's
@@ -26,7 +28,7 @@ from typing import Any, cast
 from ..errors import ConnectionClosedError, TensorwireError, TransportError
 from ._admission import Admission
 from ._base import Connection, ConnectionHandler, Listener, serve_connection
-from ._delivery import READ_BUDGET_BYTES, READ_BUDGET_MESSAGES
+from ._delivery import READ_BUDGET_MESSAGES
 from ._frames import Allocator
 from ._registry import Backend, format_host_port, parse_host_port
 from ._stream_connection import StreamConnection
@@ -86,7 +88,8 @@ class SocketConnection(StreamConnection):
         self, sock: socket.socket, config: TransportConfig, allocator: Allocator | None
     ) -> None:
         super().__init__(config, allocator, _sockname(sock), _sockname(sock, peer=True))
-        self._sock: socket.socket | None = sock
+        # Read and written by the compiled core (StreamCore).
+        self._sock = sock
         self._fd = sock.fileno()
         self._reading = False
         self._writable: asyncio.Future[None] | None = None
@@ -112,56 +115,16 @@ class SocketConnection(StreamConnection):
             self._loop.remove_reader(self._fd)
             self._reading = False
 
-    def _on_readable(self) -> None:
-        sock = self._sock
-        reader = self._reader
-        self._budget = READ_BUDGET_MESSAGES
-        # Fairness (READ_BUDGET_BYTES): reading goes on while each read fills
-        # its buffer, but only so far; the rest waits for the next turn (the
-        # socket stays registered: it is readable then still).
-        left = READ_BUDGET_BYTES
-        while sock is not None:
-            if not self._after_read():
-                self._pause_reading()
-                return
-            try:
-                buffer = reader.get_buffer()
-            except TensorwireError as exc:  # the receive allocator failed
-                self._fail(exc)
-                return
-            try:
-                n = sock.recv_into(buffer)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self._fail(_translate(exc, f"receive from {self.peer_address} failed"))
-                return
-            if n == 0:
-                self._on_eof()
-                return
-            try:
-                reader.buffer_updated(n)
-            except TensorwireError as exc:
-                logger.warning("dropping connection from %s: %s", self.peer_address, exc)
-                self._fail(exc)
-                return
-            self._note_progress(n)
-            left -= n
-            if n < len(buffer) or left <= 0:
-                # The socket is most likely drained (skip the recv() that
-                # would only say EAGAIN), or this turn's share is read.
-                if self._after_read():
-                    return
-                self._pause_reading()
-                return
-            sock = self._sock
+    # The socket is read by the compiled core's _on_readable (StreamCore),
+    # which calls these two when a read fails.
 
-    _writes_now = True
+    def _recv_failed(self, exc: OSError) -> None:
+        self._fail(_translate(exc, f"receive from {self.peer_address} failed"))
 
-    def _write_now(self, buffers: list[Any]) -> None:
-        if self._sock is None:
-            raise self._closed_error()
-        write_some(self._fd, buffers)
+    def _bytes_refused(self, exc: TensorwireError) -> None:
+        """The peer's bytes broke the protocol or the limits."""
+        logger.warning("dropping connection from %s: %s", self.peer_address, exc)
+        self._fail(exc)
 
     async def _write(self, buffers: list[Any]) -> None:
         while True:

@@ -21,6 +21,7 @@ import trustme
 
 from tensorwire.errors import ConnectionClosedError, ProtocolError, TransportError
 from tensorwire.transports import Connection, Listener, TransportConfig, connect, listen
+from tensorwire.transports._delivery import READ_BUDGET_MESSAGES
 from tensorwire.transports._stream_framing import HANDSHAKE
 
 from .test_conformance import as_bytes, echo, pattern
@@ -282,6 +283,57 @@ async def test_a_timed_out_connect_leaves_no_socket_behind() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_message_runs_no_python_code_of_the_transport() -> None:
+    # Issue 22: writing a message, reading it and handing it to its receiver
+    # is compiled (StreamCore); the transport's Python runs per connection
+    # and on rare paths only. Fewer messages than one read callback may hand
+    # out: past that budget, reading pauses and resumes (fairness, in Python).
+    count = READ_BUDGET_MESSAGES // 2
+    loop = asyncio.get_running_loop()
+    got: list[bytes] = []
+    all_there = loop.create_future()
+    serving = loop.create_future()
+    finished = loop.create_future()
+
+    def receive(frames: list[Any]) -> None:
+        got.append(as_bytes(frames[0]))
+        if len(got) == count + 1 and not all_there.done():
+            all_there.set_result(None)
+
+    async def handler(conn: Connection) -> None:
+        # As the RPC layer asks (small frames as bytearrays, no NumPy
+        # allocation per message).
+        conn.deliver_to(receive, small_as_bytearray=True)
+        serving.set_result(None)
+        await finished
+
+    listener = await listen("tcp://127.0.0.1:0", handler)
+    try:
+        async with await connect(listener.address) as conn:
+            await conn.send([b"warm-up"])
+            await asyncio.wait_for(serving, 30)
+            transports = os.path.join("tensorwire", "transports", "")
+            called: list[str] = []
+
+            def profile(frame: Any, event: str, arg: Any) -> None:
+                code = frame.f_code
+                if event == "call" and transports in code.co_filename:
+                    called.append(f"{code.co_filename}:{code.co_name}")
+
+            sys.setprofile(profile)
+            try:
+                for i in range(count):
+                    assert conn.send_nowait([[f"m{i}".encode()]]) is None
+                await asyncio.wait_for(asyncio.shield(all_there), 30)
+            finally:
+                sys.setprofile(None)
+            finished.set_result(None)
+    finally:
+        await listener.close()
+    assert got == [b"warm-up"] + [f"m{i}".encode() for i in range(count)]
+    assert sorted(set(called)) == []
 
 
 async def test_a_batch_of_more_buffers_than_one_sendmsg_takes_arrives_in_order() -> None:
