@@ -26,6 +26,7 @@ MODULES: tuple[str, ...] = (
     "tensorwire.rpc._dispatch",
     "tensorwire.rpc._driver_core",
     "tensorwire.rpc._slots",
+    "tensorwire.rpc._streams",
     "tensorwire.rpc._wire",
     "tensorwire.serde._decoder",
     "tensorwire.serde._encoder",

@@ -59,6 +59,10 @@ The rules:
   ProtocolError: the peer said the call was over.
 * The server may answer (RESPONSE, ERROR, its END) before the streamed
   argument has ended; the client then stops sending it.
+* The client cannot know whether a method streams its result: a client
+  that asked for a stream of a unary method grants CREDIT, which the
+  server drops (``receive`` returns False), and gets a RESPONSE, which
+  ends its call (RESPONDED) for the caller to report the mismatch.
 
 The unary calls of both roles go through here too, so the transitions a
 unary call takes (construct, REQUEST, RESPONSE) are a few C comparisons;
@@ -262,10 +266,15 @@ cdef class CallState:
             if self.role == _CLIENT:
                 self._end(_ENDED, True)
         elif kind == _CREDIT:
-            if not self._out_streams:
-                raise _remote(self, kind, "this side sends no stream on this call")
             if not 0 < count <= MAX_CREDIT:
                 raise _remote(self, kind, f"a count of {count}")
+            if not self._out_streams:
+                if self.role == _SERVER:
+                    # A client that asked for a stream of a unary method
+                    # grants credit for it: it cannot know; the RESPONSE
+                    # tells it.
+                    return False
+                raise _remote(self, kind, "this side sends no stream on this call")
             # Also after this side's END: the grant may have crossed it.
             self.send_credit += count
         elif self.role == _SERVER:
@@ -275,8 +284,8 @@ cdef class CallState:
             self._end(_CANCELLED, True)
         else:
             if kind == _RESPONSE:
-                if self.result_streams:
-                    raise _remote(self, kind, "the result streams (ITEMs, then END)")
+                # Also when this side asked for a stream: the method turned
+                # out to be unary (the caller reports the mismatch).
                 self._end(_RESPONDED, True)
             elif kind == _ERROR:
                 self._end(_FAILED, True)

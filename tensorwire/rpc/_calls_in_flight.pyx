@@ -6,7 +6,7 @@ resolves it, and the calls' deadlines on one loop timer.
 A plain unary call is a ``UnaryCall`` here: its future, resolved with
 ``(message, nbytes)``, and its ``CallState`` (``_calls``), which every
 message of the call goes through. Any other waiter (a stream's record, see
-``client._Pending``) has a ``future`` and a ``fail(error)`` and gets its
+``_streams.CallStreams``) has a ``future`` and a ``fail(error)`` and gets its
 messages from the session's ``on_other``, as does every message that
 belongs to no unary call.
 """

@@ -8,6 +8,7 @@ from .. import serde
 from .._counters import MethodMetrics
 from . import protocol
 from ._calls import CallState
+from ._streams import CallStreams
 
 class RequestDispatch:
     def __init__(self, session: Any, on_other: Callable[[protocol.Message, int], None],
@@ -20,7 +21,7 @@ class ServerCall:
     call_id: int
     request_bytes: int
     metrics: MethodMetrics | None
-    instream: Any
+    streams: CallStreams | None
     state: CallState
     task: asyncio.Task[None] | None
     _expired: bool
@@ -29,7 +30,6 @@ class ServerCall:
     def cancel(self) -> None: ...
     def _expire(self) -> None: ...
     def forget(self, _: object = None) -> None: ...
-    def count_in(self, nbytes: int) -> None: ...
 
 def start_call(call: ServerCall, handler: Any) -> None: ...
 async def run_call(call: ServerCall, handler: Any) -> None: ...

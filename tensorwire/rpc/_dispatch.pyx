@@ -98,7 +98,9 @@ cdef class ServerCall:
     cdef public unsigned long long call_id
     cdef public Py_ssize_t request_bytes
     cdef public object metrics
-    cdef public object instream
+    # Its streams (rpc._streams.CallStreams), made by server._Call when
+    # the call has one.
+    cdef public object streams
     # The call's rules (rpc._calls), set by start_call.
     cdef public CallState state
     # Set by start_call when the call goes on in a task of its own.
@@ -130,10 +132,6 @@ cdef class ServerCall:
         calls = self.session.calls
         if calls.get(self.call_id) is self:
             del calls[self.call_id]
-
-    def count_in(self, Py_ssize_t nbytes):
-        if self.metrics is not None:
-            self.metrics.bytes_in += nbytes
 
 
 def start_call(ServerCall call, handler):

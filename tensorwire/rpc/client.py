@@ -7,9 +7,8 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Generator
-from typing import Any, TypeAlias, TypeVar, cast, final
+from typing import Any, TypeAlias, TypeVar, cast
 
 from .. import serde
 from .._counters import MethodMetrics, Metrics, record_call
@@ -25,12 +24,13 @@ from ..errors import (
 )
 from ..transports import connect as transport_connect
 from . import protocol
+from ._calls import CLIENT, CallState
 from ._calls_in_flight import LONGEST, CallsInFlight, UnaryCall
 from ._client_core import ClientCore, sendable, split_stream
-from ._client_core import remote_error as _remote
 from ._connection_driver import ConnectionDriver
 from ._proxy import Proxy
 from ._slots import Slots
+from ._streams import CallStreams
 from .config import ClientConfig
 
 __all__ = ("Client", "connect")
@@ -65,56 +65,10 @@ def _fields(config: ClientConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
 
-@final
-class _Pending:
-    """A streaming call in flight, or a unary call with a streamed argument:
-    its future, its queue of messages (streams), its credit.
-
-    A plain unary call waits on a bare future instead (see ``_ClientSession.pending``).
-    Either future's result is ``(message, nbytes)``.
-    """
-
-    __slots__ = ("credit", "credit_event", "future", "items", "metrics", "waiter")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, streaming: bool,
-                 metrics: MethodMetrics) -> None:
-        self.future: asyncio.Future[tuple[protocol.Message, int]] = loop.create_future()
-        self.metrics = metrics
-        self.items: deque[protocol.Message] | None = deque() if streaming else None
-        self.waiter: asyncio.Future[None] | None = None
-        self.credit = 0
-        self.credit_event: asyncio.Event | None = None
-
-    def deliver(self, message: protocol.Message, nbytes: int) -> None:
-        if self.items is None or isinstance(message, protocol.Response):
-            if not self.future.done():
-                self.future.set_result((message, nbytes))
-            return
-        self.metrics.bytes_in += nbytes
-        self.items.append(message)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    def fail(self, error: BaseException) -> None:
-        _fail(self.future, error)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(error)
-
-    def grant(self, count: int) -> None:
-        self.credit += max(0, count)
-        if self.credit_event is not None:
-            self.credit_event.set()
-
-
 #: What ``_ClientSession.pending`` holds for a call: a plain unary call's
-#: ``UnaryCall`` (compiled, with its CallState), else a _Pending.
-_InFlight: TypeAlias = "UnaryCall | _Pending"
-
-
-def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
-        future.exception()  # retrieved: a stream may never look at it
+#: ``UnaryCall`` (compiled, with its CallState), else the ``CallStreams`` of
+#: a call with a stream (a streamed result, a streamed argument, or both).
+_InFlight: TypeAlias = "UnaryCall | CallStreams"
 
 
 class _ClientSession:
@@ -188,13 +142,10 @@ class _ClientSession:
             protocol.Response | protocol.Error | protocol.Item | protocol.End | protocol.Credit,
         ):
             raise ProtocolError(f"a server may not send {message.kind.name}")
-        pending = self.pending.get(message.call_id)
-        if type(pending) is not _Pending:
-            return  # the call ended already (cancelled, timed out)
-        if isinstance(message, protocol.Credit):
-            pending.grant(message.count)
-            return
-        pending.deliver(message, nbytes)
+        streams = self.pending.get(message.call_id)
+        if type(streams) is CallStreams:
+            streams.receive(message, nbytes)  # raises ProtocolError: the connection ends
+        # else the call ended already (cancelled, timed out): dropped
 
     def _on_refused(self, message: protocol.Message | None,
                     error: LimitExceededError) -> None:
@@ -207,18 +158,14 @@ class _ClientSession:
             return
         exhausted = ResourceExhausted(
             f"a reply from {self.client.address} is beyond this client's limits: {error}")
-        if type(pending) is not _Pending:
+        if type(pending) is not CallStreams:
             self.calls.fail(message.call_id, exhausted)  # a unary call
-            return
-        if pending.items is None:
-            pending.fail(exhausted)
             return
         # A stream: the consumer still gets the items before this one, then
         # the error, in order; the server stops producing.
-        if self.driver is not None:
-            self.driver.send_soon(protocol.Cancel(message.call_id))
-        pending.deliver(protocol.Error(message.call_id, int(exhausted.status),
-                                       type(exhausted).__name__, exhausted.message, ""), 0)
+        if pending.state.result_streams:
+            pending.cancel()
+        pending.end_with(exhausted)
 
     def _on_close(self, error: TensorwireError) -> None:
         self.error = error
@@ -388,7 +335,7 @@ class Client(ClientCore):
                         await session.acquire_slot(deadline)
                     try:
                         waiter, on_sent = (None, None) if source is None else \
-                            self._streaming_argument(session, source, metrics)
+                            self._streaming_argument(session, method, source, metrics)
                         message, nbytes = await session.calls.call(
                             session.driver, method, deadline, stream_arg, payload, metrics,
                             _DEADLINE_GRACE, waiter, on_sent)
@@ -411,14 +358,15 @@ class Client(ClientCore):
             record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
 
     def _streaming_argument(
-        self, session: _ClientSession, source: AsyncIterable[Any], metrics: MethodMetrics,
-    ) -> tuple[_Pending, Callable[[int], asyncio.Task[None]]]:
-        """For a call with a streamed argument: its record, and what starts
-        sending the items once the call has its id."""
-        pending = _Pending(session.loop, False, metrics)
-        pending.credit_event = asyncio.Event()
-        return pending, lambda call_id: session.loop.create_task(
-            self._pump(session, call_id, pending, source))
+        self, session: _ClientSession, method: str, source: AsyncIterable[Any],
+        metrics: MethodMetrics,
+    ) -> tuple[CallStreams, Callable[[int], asyncio.Task[None]]]:
+        """For a call with a streamed argument: its streams (the waiter of
+        its answer), and what starts sending the items once the call has
+        its id."""
+        streams = CallStreams(CallState(CLIENT, True), _driver(session), method, metrics)
+        streams.state.send(protocol.Kind.REQUEST)
+        return streams, lambda call_id: self._start_pump(streams, call_id, source)
 
     def stream(
         self, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -436,19 +384,17 @@ class Client(ClientCore):
         session = await self._ready_by(deadline, method)
         args, source, stream_arg = _split_stream(args)
         payload = self._encode([list(args), kwargs])
-        window = self.config.stream_window
         metrics = self._metrics[method]
         started = time.perf_counter()
         error = True
         loop = asyncio.get_running_loop()
-        finished = False
         try:
             # Each wait is bounded by the deadline on its own: a timeout held
             # across ``yield`` would cancel the consumer's code between items.
             async with asyncio.timeout_at(deadline):
                 await session.slots.acquire()
             try:
-                call_id, pending = self._register(session, metrics, streaming=True)
+                streams = self._register(session, method, source is not None, metrics)
                 pump: asyncio.Task[None] | None = None
                 try:
                     driver = _driver(session)
@@ -456,39 +402,20 @@ class Client(ClientCore):
                     if not 0.0 < remaining < _LONGEST:
                         remaining = _sendable(remaining)
                     async with asyncio.timeout_at(deadline):
-                        metrics.bytes_out += await driver.send(
-                            protocol.Request(call_id, method, remaining, stream_arg, payload)
-                        )
-                    driver.send_soon(protocol.Credit(call_id, window))
+                        metrics.bytes_out += await driver.send(protocol.Request(
+                            streams.call_id, method, remaining, stream_arg, payload))
+                    streams.open()
                     if source is not None:
-                        pending.credit_event = asyncio.Event()
-                        pump = loop.create_task(self._pump(session, call_id, pending, source))
-                    consumed = 0
-                    assert pending.items is not None
+                        pump = self._start_pump(streams, streams.call_id, source)
                     while True:
-                        while not pending.items:
-                            if pending.future.done():
-                                pending.future.result()  # raises the connection error
-                            pending.waiter = loop.create_future()
-                            async with asyncio.timeout_at(deadline):
-                                await pending.waiter
-                        message = pending.items.popleft()
-                        if isinstance(message, protocol.End):
-                            finished = True
+                        async with asyncio.timeout_at(deadline):
+                            item = await streams.next_item()
+                        if item is None:
                             break
-                        if isinstance(message, protocol.Error):
-                            finished = True
-                            raise _remote(message)
-                        assert isinstance(message, protocol.Item)
-                        consumed += 1
-                        if consumed >= max(1, window // 2):
-                            driver.send_soon(protocol.Credit(call_id, consumed))
-                            consumed = 0
-                        yield self._decoder.decode(message.value[0], message.value[1:])
+                        yield self._decoder.decode(item.value[0], item.value[1:])
                 finally:
-                    if not finished:
-                        self._cancel_remote(session, call_id)
-                    session.pending.pop(call_id, None)
+                    streams.cancel()  # unless the call is over for the server
+                    session.pending.pop(streams.call_id, None)
                     await _stop(pump)
             finally:
                 session.slots.release()
@@ -500,38 +427,35 @@ class Client(ClientCore):
         finally:
             record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
 
-    async def _pump(
-        self, session: _ClientSession, call_id: int, pending: _Pending, source: AsyncIterable[Any]
-    ) -> None:
-        driver = _driver(session)
-        event = pending.credit_event
-        assert event is not None
+    def _start_pump(self, streams: CallStreams, call_id: int,
+                    source: AsyncIterable[Any]) -> asyncio.Task[None]:
+        streams.call_id = call_id
+        return asyncio.get_running_loop().create_task(self._pump(streams, source))
+
+    async def _pump(self, streams: CallStreams, source: AsyncIterable[Any]) -> None:
+        """Send the items of a streamed argument, within the server's credit."""
         try:
             async for item in source:
-                while pending.credit <= 0:
-                    event.clear()
-                    await event.wait()
-                pending.credit -= 1
-                await driver.send(protocol.Item(call_id, self._encode(item)))
-            await driver.send(protocol.End(call_id))
+                if not await streams.send_item(self._encode(item)):
+                    return  # the call is over (the server answered): stop
+            await streams.send_end()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             # The caller's iterable failed: end the call with that error.
-            pending.fail(exc)
+            streams.end_with(exc)
 
-    def _register(self, session: _ClientSession, metrics: MethodMetrics, *,
-                  streaming: bool) -> tuple[int, _Pending]:
+    def _register(self, session: _ClientSession, method: str, arg_streams: bool,
+                  metrics: MethodMetrics) -> CallStreams:
+        """A streaming call's streams, under a new call id, its REQUEST
+        recorded (the caller sends it)."""
         if session.error is not None:
             raise Unavailable(f"connection to {self.address} lost: {session.error}")
-        pending = _Pending(session.loop, streaming, metrics)
-        call_id = session.calls.add(pending, math.inf)
-        return call_id, pending
-
-    def _cancel_remote(self, session: _ClientSession, call_id: int) -> None:
-        driver = session.driver
-        if driver is not None and call_id in session.pending:
-            driver.send_soon(protocol.Cancel(call_id))
+        state = CallState(CLIENT, arg_streams, True, self.config.stream_window)
+        state.send(protocol.Kind.REQUEST)
+        streams = CallStreams(state, _driver(session), method, metrics)
+        streams.call_id = session.calls.add(streams, math.inf)
+        return streams
 
     # -- proxies and introspection ----------------------------------------------
 

@@ -6,7 +6,6 @@ import asyncio
 import dis
 import inspect
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -37,6 +36,7 @@ from ._dispatch import (
     encode_value as _encode,
 )
 from ._slots import Slots
+from ._streams import CallStreams
 from .config import ServerConfig
 from .service import (
     MethodInfo,
@@ -334,14 +334,13 @@ class _ServerSession:
                 # now, not when its handler has finished cleaning up.
                 self.calls.pop(message.call_id, None)
                 call.cancel()
-        elif isinstance(message, protocol.Item | protocol.End):
-            # Late items for a call that already ended are dropped.
-            if call is not None and call.instream is not None:
-                call.count_in(nbytes)
-                call.instream.feed(message)
-        elif isinstance(message, protocol.Credit):
+        elif isinstance(message, protocol.Item | protocol.End | protocol.Credit):
+            # For a call that ended they are dropped (they may have crossed
+            # its end); otherwise its CallState judges them, and one the
+            # client may not send (an ITEM beyond its credit, ...) raises
+            # ProtocolError: the connection ends.
             if call is not None:
-                call.grant(message.count)
+                call.call_streams().receive(message, nbytes)
         else:
             raise ProtocolError(f"a client may not send {message.kind.name}")
 
@@ -368,47 +367,22 @@ class _ServerSession:
             raise error
 
 
-class _InStream:
-    """The async iterator a handler gets for a client-streamed argument."""
+class _ArgumentStream:
+    """The async iterator a handler gets for a client-streamed argument:
+    the call's streams (``CallStreams``), decoded."""
 
-    def __init__(self, call: _Call, window: int) -> None:
-        self._call = call
-        self.window = window
-        self._items: deque[protocol.Message] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._consumed = 0
-        self._ended = False
-
-    def feed(self, message: protocol.Message) -> None:
-        if len(self._items) > self.window:
-            self._call.session.driver.close_with(
-                ProtocolError("client sent stream items beyond its credit")
-            )
-            return
-        self._items.append(message)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+    def __init__(self, streams: CallStreams, decoder: serde.Decoder) -> None:
+        self._streams = streams
+        self._decoder = decoder
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self
 
     async def __anext__(self) -> Any:
-        if self._ended:
+        item = await self._streams.next_item()
+        if item is None:
             raise StopAsyncIteration
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        message = self._items.popleft()
-        if isinstance(message, protocol.End):
-            self._ended = True
-            raise StopAsyncIteration
-        self._consumed += 1
-        if self._consumed >= max(1, self.window // 2):
-            self._call.session.driver.send_soon(protocol.Credit(self._call.call_id,
-                                                                 self._consumed))
-            self._consumed = 0
-        assert isinstance(message, protocol.Item)
-        return _decode(message.value, "stream item", self._call.session._decoder)
+        return _decode(item.value, "stream item", self._decoder)
 
 
 def _never_suspends(func: Callable[..., Any]) -> bool:
@@ -429,20 +403,15 @@ def _decode(frames: list[Any], what: str, decoder: serde.Decoder) -> Any:
 
 class _Call(ServerCall):
     """One call running on the server: ``ServerCall`` (compiled), with its
-    streams' credit."""
+    streams."""
 
-    _credit = 0
-    _credit_event: asyncio.Event | None = None
-
-    def grant(self, count: int) -> None:
-        self._credit += max(0, count)
-        if self._credit_event is not None:
-            self._credit_event.set()
-
-    async def _send(self, message: protocol.Message) -> None:
-        sent = await self.session.driver.send(message)
-        if self.metrics is not None:
-            self.metrics.bytes_out += sent
+    def call_streams(self) -> CallStreams:
+        """The call's streams (made on first use: a CREDIT may come before
+        the handler starts), driven through its CallState."""
+        if self.streams is None:
+            self.streams = CallStreams(self.state, self.session.driver, self.request.method,
+                                       self.metrics, self.call_id)
+        return self.streams
 
     def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
         args, kwargs = unpack_arguments(self.request, handler, self.session._decoder)
@@ -450,25 +419,23 @@ class _Call(ServerCall):
         if stream_arg >= 0:
             if stream_arg > len(args):
                 raise InvalidArgument(f"stream argument {stream_arg} is out of range")
-            window = self.session.server.config.stream_window
-            self.instream = _InStream(self, window)
-            args.insert(stream_arg, self.instream)
+            args.insert(stream_arg, _ArgumentStream(self.call_streams(), self.session._decoder))
         check_arguments(handler, args, kwargs)
-        if self.instream is not None:
-            self.session.driver.send_soon(protocol.Credit(self.call_id, self.instream.window))
+        if stream_arg >= 0:
+            streams = self.call_streams()
+            streams.metrics = self.metrics
+            streams.open()
         return args, kwargs
 
     async def _stream(self, handler: _Handler, args: list[Any], kwargs: dict[str, Any]) -> None:
-        self._credit_event = asyncio.Event()
+        streams = self.call_streams()
+        streams.metrics = self.metrics
+        encoder = self.session._encoder
         generator = handler.func(*args, **kwargs)
         try:
             async for item in generator:
-                while self._credit <= 0:
-                    self._credit_event.clear()
-                    await self._credit_event.wait()
-                self._credit -= 1
-                await self._send(protocol.Item(
-                    self.call_id, _encode(item, handler.name, self.session._encoder)))
+                if not await streams.send_item(_encode(item, handler.name, encoder)):
+                    return  # the call is over: nothing more goes out
         finally:
             await generator.aclose()
-        await self._send(protocol.End(self.call_id))
+        await streams.send_end()

@@ -80,6 +80,8 @@ LEGAL_CLIENT: list[tuple[dict[str, bool], list[Step], int]] = [
     ({"arg": True, "result": True},
      [(S, REQUEST, 0), (S, CREDIT, 4), (R, CREDIT, 1), (S, ITEM, 0), (R, ITEM, 0),
       (S, END, 0), (R, ITEM, 0), (R, END, 0)], ENDED),
+    # A stream asked of a unary method: its RESPONSE ends the call.
+    ({"result": True}, [(S, REQUEST, 0), (S, CREDIT, 4), (R, RESPONSE, 0)], RESPONDED),
 ]
 
 LEGAL_SERVER: list[tuple[dict[str, bool], list[Step], int]] = [
@@ -132,7 +134,6 @@ ILLEGAL_CLIENT: list[tuple[dict[str, bool], list[Step]]] = [
     ({}, [(S, REQUEST, 0), (S, CANCEL, 0), (S, CANCEL, 0)]),
     ({"result": True}, [(S, REQUEST, 0), (R, ITEM, 0)]),      # no credit granted
     ({"result": True}, [(S, REQUEST, 0), (S, CREDIT, 1), (R, ITEM, 0), (R, ITEM, 0)]),
-    ({"result": True}, [(S, REQUEST, 0), (R, RESPONSE, 0)]),  # the result streams
     ({"result": True}, [(S, REQUEST, 0), (S, CREDIT, 2), (R, END, 0), (R, ITEM, 0)]),
     ({"result": True}, [(S, REQUEST, 0), (R, END, 0), (R, ERROR, 0)]),
     ({"result": True}, [(S, REQUEST, 0), (S, CREDIT, 0)]),
@@ -170,7 +171,8 @@ ILLEGAL_SERVER: list[tuple[dict[str, bool], list[Step]]] = [
     ({"arg": True}, [(R, REQUEST, 0), (R, END, 0), (R, ITEM, 0)]),
     ({"arg": True}, [(R, REQUEST, 0), (R, END, 0), (R, END, 0)]),
     ({"arg": True}, [(R, REQUEST, 0), (R, END, 0), (S, CREDIT, 1)]),
-    ({"arg": True}, [(R, REQUEST, 0), (R, CREDIT, 1)]),       # sends no stream
+    ({"arg": True}, [(R, REQUEST, 0), (R, CREDIT, 0)]),       # a count below 1
+    ({}, [(R, REQUEST, 0), (R, CREDIT, -1)]),
 ]
 
 
@@ -216,6 +218,18 @@ def test_what_arrives_after_this_sides_own_end_is_dropped() -> None:
     assert server.receive(END) is False
     assert server.receive(CANCEL) is False
     assert server.outcome == RESPONDED
+
+
+def test_the_server_drops_credit_for_a_result_that_does_not_stream() -> None:
+    # The client cannot know whether a method streams: stream() grants credit.
+    for server in (_server(), _server(arg=True)):
+        server.receive(REQUEST)
+        assert server.receive(CREDIT, 4) is False
+        assert server.send_credit == 0
+    client = _client()
+    client.send(REQUEST)
+    with pytest.raises(ProtocolError):
+        client.receive(CREDIT, 4)  # the server knows whether the argument streams
 
 
 def test_after_its_deadline_the_client_may_send_one_cancel() -> None:
