@@ -1,6 +1,6 @@
 # cython: language_level=3
 """The unary call of the RPC client, compiled: ``ClientCore._call`` and what
-asks on every call (its deadline, the connected session, the encoded
+it asks on every call (its deadline, the connected session, the encoded
 arguments and their streamed one, the result of the answer), each without
 a Python frame. ``Client`` (client.py) is ``ClientCore`` with the API.
 """
