@@ -55,12 +55,9 @@ cdef class MethodMetrics:
     """Counters of one method (compiled: every call of every method updates
     them)."""
 
-    cdef public Py_ssize_t errors
-    cdef public Py_ssize_t bytes_in
-    cdef public Py_ssize_t bytes_out
-    #: The sum of every latency observed, a histogram's ``_sum``.
-    cdef public double seconds
-    cdef public list buckets
+    # Its fields are declared in _counters.pxd: errors, bytes_in, bytes_out,
+    # seconds (the sum of every latency observed, a histogram's ``_sum``)
+    # and buckets.
 
     def __init__(self):
         self.buckets = [0] * _BUCKETS

@@ -5,13 +5,14 @@ arguments and their streamed one, the result of the answer), each without
 a Python frame. ``Client`` (client.py) is ``ClientCore`` with the API.
 """
 
+from .._counters cimport record_call
+
 import asyncio
 import collections.abc
 import logging
 import math
 import time
 
-from .._counters import record_call
 from ..errors import ConfigError, DeadlineExceeded, ProtocolError, RemoteError, Unavailable
 from . import protocol
 from ._calls_in_flight import LONGEST

@@ -9,6 +9,7 @@ and how it starts (``start_call``).
 
 cimport cython
 
+from .._counters cimport record_call
 from ._calls cimport CallState
 
 import asyncio
@@ -18,7 +19,6 @@ import time
 import traceback
 
 from .. import serde
-from .._counters import record_call
 from ..errors import (
     DeadlineExceeded,
     Internal,
