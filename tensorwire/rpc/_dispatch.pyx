@@ -275,6 +275,8 @@ cpdef tuple unpack_arguments(object request, object handler, object decoder):
 
 cpdef void check_arguments(object handler, list args, dict kwargs) except *:
     """Raises InvalidArgument when the arguments do not fit the handler."""
+    if not kwargs and len(args) == <Py_ssize_t>handler.arity:
+        return  # every parameter given by position: the usual call
     try:
         handler.check(args, kwargs)
     except TypeError as exc:
