@@ -11,14 +11,15 @@ the exported histogram (:data:`HISTOGRAM_EDGES`, 4 per decade), so its
 counts are exact: processes' histograms add up, where percentiles cannot.
 """
 
-import bisect
 import time
 
 __all__ = ("HISTOGRAM_EDGES", "MethodMetrics", "Metrics", "record_call")
 
 _PER_DECADE = 16
 _LOW = 1e-6
-_BUCKETS = 9 * _PER_DECADE + 1
+cdef enum:
+    _N_EDGES = 9 * 16  # 9 decades of _PER_DECADE
+_BUCKETS = _N_EDGES + 1
 #: The lower edge of every bucket after the first: one C bisection per call
 #: finds a latency's bucket, where log10 and its arithmetic cost several.
 _EDGES = [_LOW * 10 ** (i / _PER_DECADE) for i in range(1, _BUCKETS)]
@@ -28,20 +29,35 @@ _EXPORT_EVERY = 4
 HISTOGRAM_EDGES = tuple(_EDGES[_EXPORT_EVERY - 1::_EXPORT_EVERY])
 
 
-cdef object _bisect_left = bisect.bisect_left
 cdef object _perf_counter = time.perf_counter
+# The edges again as a C array, searched in C: a bisect.bisect_left() call
+# through Python costs more than the rest of observe() together.
+cdef double _c_edges[_N_EDGES]
+assert len(_EDGES) == _N_EDGES
+for _i, _edge in enumerate(_EDGES):
+    _c_edges[_i] = _edge
+del _i, _edge
+
+
+cdef inline Py_ssize_t _bucket(double seconds) noexcept:
+    """``bisect.bisect_left(_EDGES, seconds)``."""
+    cdef Py_ssize_t low = 0, high = _N_EDGES, middle
+    while low < high:
+        middle = (low + high) // 2
+        if _c_edges[middle] < seconds:
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 cdef class MethodMetrics:
     """Counters of one method (compiled: every call of every method updates
     them)."""
 
-    cdef public Py_ssize_t errors
-    cdef public Py_ssize_t bytes_in
-    cdef public Py_ssize_t bytes_out
-    #: The sum of every latency observed, a histogram's ``_sum``.
-    cdef public double seconds
-    cdef public list buckets
+    # Its fields are declared in _counters.pxd: errors, bytes_in, bytes_out,
+    # seconds (the sum of every latency observed, a histogram's ``_sum``)
+    # and buckets.
 
     def __init__(self):
         self.buckets = [0] * _BUCKETS
@@ -55,7 +71,8 @@ cdef class MethodMetrics:
     cpdef void observe(self, double seconds, bint error) except *:
         # bisect_left: a latency equal to an edge counts below it, as a
         # Prometheus bucket includes its upper bound ("le").
-        self.buckets[_bisect_left(_EDGES, seconds)] += 1
+        cdef Py_ssize_t bucket = _bucket(seconds)
+        self.buckets[bucket] += 1
         self.seconds += seconds
         if error:
             self.errors += 1

@@ -4,7 +4,7 @@ from collections.abc import AsyncIterable
 from typing import Any
 
 from .. import serde
-from .._counters import MethodMetrics
+from .._counters import MethodMetrics, Metrics
 from ..errors import RemoteError
 from . import protocol
 from .config import ClientConfig
@@ -21,6 +21,9 @@ class ClientCore:
     _session: Any
     _encoder: serde.Encoder
     _decoder: serde.Decoder
+    _metrics: Metrics
+    async def _call(self, method: str, timeout: float | None, idempotent: bool, /,
+                    *args: Any, **kwargs: Any) -> Any: ...
     def _deadline(self, timeout: float | None) -> float: ...
     def _connected(self) -> Any: ...
     def _encode(self, value: Any) -> list[Any]: ...

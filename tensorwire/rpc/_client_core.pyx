@@ -1,23 +1,33 @@
 # cython: language_level=3
-"""The per-call helpers of the RPC client, compiled: what ``Client._call``
-asks on every call (its deadline, the connected session, the encoded
+"""The unary call of the RPC client, compiled: ``ClientCore._call`` and what
+it asks on every call (its deadline, the connected session, the encoded
 arguments and their streamed one, the result of the answer), each without
 a Python frame. ``Client`` (client.py) is ``ClientCore`` with the API.
 """
 
+from .._counters cimport record_call
+
 import asyncio
 import collections.abc
+import logging
 import math
+import time
 
-from ..errors import ConfigError, ProtocolError, RemoteError
+from ..errors import ConfigError, DeadlineExceeded, ProtocolError, RemoteError, Unavailable
 from . import protocol
 from ._calls_in_flight import LONGEST
+
+logger = logging.getLogger("tensorwire.rpc.client")
+
+#: Seconds the client's own deadline timer waits past the deadline.
+cdef double DEADLINE_GRACE = 0.05
 
 cdef double _LONGEST = LONGEST
 cdef object _Response = protocol.Response
 cdef object _Error = protocol.Error
 cdef object _AsyncIterable = collections.abc.AsyncIterable
 cdef object _get_running_loop = asyncio.get_running_loop
+cdef object _perf_counter = time.perf_counter
 #: Argument types that are never async iterables, checked first: the ABC's
 #: isinstance() costs several times a set lookup, for every argument.
 cdef frozenset _PLAIN = frozenset({int, float, str, bytes, bool, type(None), list, tuple, dict})
@@ -69,6 +79,49 @@ cdef class ClientCore:
     # each way less than serde's per-thread functions.
     cdef public object _encoder
     cdef public object _decoder
+    cdef public object _metrics
+
+    async def _call(self, str method, object timeout, bint idempotent, *args, **kwargs):
+        """``call``, with its options by position: a typed proxy's method is
+        this with them bound (``functools.partial``: no Python frame of its
+        own, no keyword dict built for the options on every call). One
+        compiled coroutine from the call to its answer."""
+        cdef double deadline = self._deadline(timeout)
+        args, source, stream_arg = split_stream(args)
+        payload = self._encode_arguments(args, kwargs)
+        metrics = self._metrics[method]
+        cdef bint retry = idempotent and source is None  # once, after losing the connection
+        cdef double started = _perf_counter()
+        cdef bint error = True
+        try:
+            while True:
+                session = self._connected() or await self._ready_by(deadline, method)
+                try:
+                    if not session.slots.try_acquire():
+                        await session.acquire_slot(deadline)
+                    try:
+                        waiter, on_sent = (None, None) if source is None else \
+                            self._streaming_argument(session, method, source, metrics)
+                        message, nbytes = await session.calls.call(
+                            session.driver, method, deadline, stream_arg, payload, metrics,
+                            DEADLINE_GRACE, waiter, on_sent)
+                    finally:
+                        session.slots.release()
+                except Unavailable:
+                    if not retry:
+                        raise
+                    retry = False
+                    logger.info("retrying idempotent %s after losing the connection", method)
+                    continue
+                result = self._result(message, nbytes, metrics, method)
+                error = False
+                return result
+        except DeadlineExceeded:
+            raise  # the server's own, with its message and traceback
+        except TimeoutError:
+            raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
+        finally:
+            record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
 
     cpdef double _deadline(self, object timeout) except? -1.0:
         """The loop time by which a call with ``timeout`` must end.

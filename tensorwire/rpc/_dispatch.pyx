@@ -9,6 +9,7 @@ and how it starts (``start_call``).
 
 cimport cython
 
+from .._counters cimport record_call
 from ._calls cimport CallState
 
 import asyncio
@@ -18,7 +19,6 @@ import time
 import traceback
 
 from .. import serde
-from .._counters import record_call
 from ..errors import (
     DeadlineExceeded,
     Internal,
@@ -273,6 +273,8 @@ cpdef tuple unpack_arguments(object request, object handler, object decoder):
 
 cpdef void check_arguments(object handler, list args, dict kwargs) except *:
     """Raises InvalidArgument when the arguments do not fit the handler."""
+    if not kwargs and len(args) == <Py_ssize_t>handler.arity:
+        return  # every parameter given by position: the usual call
     try:
         handler.check(args, kwargs)
     except TypeError as exc:

@@ -40,8 +40,6 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")
 
 
-#: Seconds the client's own deadline timer waits past the deadline.
-_DEADLINE_GRACE = 0.05
 #: The longest timeout a request carries (see _calls_in_flight.LONGEST).
 _LONGEST = LONGEST
 _sendable = sendable
@@ -314,48 +312,6 @@ class Client(ClientCore):
             EncodeError: an argument cannot be encoded.
         """
         return self._call(method, timeout, idempotent, *args, **kwargs)
-
-    async def _call(self, method: str, timeout: float | None, idempotent: bool, /,
-                    *args: Any, **kwargs: Any) -> Any:
-        """``call``, with its options by position: a typed proxy's method is
-        this with them bound (``functools.partial``: no Python frame of its
-        own, no keyword dict built for the options on every call)."""
-        deadline = self._deadline(timeout)
-        args, source, stream_arg = _split_stream(args)
-        payload = self._encode_arguments(args, kwargs)
-        metrics = self._metrics[method]
-        retry = idempotent and source is None  # once, after losing the connection
-        started = time.perf_counter()
-        error = True
-        try:
-            while True:
-                session = self._connected() or await self._ready_by(deadline, method)
-                try:
-                    if not session.slots.try_acquire():
-                        await session.acquire_slot(deadline)
-                    try:
-                        waiter, on_sent = (None, None) if source is None else \
-                            self._streaming_argument(session, method, source, metrics)
-                        message, nbytes = await session.calls.call(
-                            session.driver, method, deadline, stream_arg, payload, metrics,
-                            _DEADLINE_GRACE, waiter, on_sent)
-                    finally:
-                        session.slots.release()
-                except Unavailable:
-                    if not retry:
-                        raise
-                    retry = False
-                    logger.info("retrying idempotent %s after losing the connection", method)
-                    continue
-                result = self._result(message, nbytes, metrics, method)
-                error = False
-                return result
-        except DeadlineExceeded:
-            raise  # the server's own, with its message and traceback
-        except TimeoutError:
-            raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
-        finally:
-            record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
 
     def _streaming_argument(
         self, session: _ClientSession, method: str, source: AsyncIterable[Any],

@@ -44,6 +44,7 @@ from .service import (
     argument_checker,
     describe,
     method,
+    positional_arity,
     service_name,
     signature_text,
 )
@@ -68,7 +69,7 @@ class Reflection(Service):
 
 
 class _Handler:
-    __slots__ = ("check", "func", "info", "inline", "metrics", "name")
+    __slots__ = ("arity", "check", "func", "info", "inline", "metrics", "name")
 
     def __init__(self, name: str, func: Callable[..., Any], info: MethodInfo,
                  metrics: MethodMetrics) -> None:
@@ -77,6 +78,8 @@ class _Handler:
         self.info = info
         self.metrics = metrics
         self.check = argument_checker(info.signature)
+        # Arguments that fit by count alone (the usual call) need no check.
+        self.arity = positional_arity(info.signature)
         # A unary handler that cannot suspend runs to its end at once: it
         # needs no task of its own (Python 3.12's eager tasks, for the case
         # where they are plainly safe), no deadline timer, no cancellation.

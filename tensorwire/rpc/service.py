@@ -126,6 +126,18 @@ def signature_text(signature: inspect.Signature) -> str:
 ArgumentChecker = Callable[[Sequence[Any], Mapping[str, Any]], None]
 
 
+def positional_arity(signature: inspect.Signature) -> int:
+    """How many arguments a call gives by position, and no others, when it
+    fits ``signature`` (named parameters only, none left to its default);
+    -1 for a signature with ``*args``, ``**kwargs`` or keyword-only or
+    positional-only parameters. The server checks this first, in C, on every
+    call (``_dispatch.check_arguments``)."""
+    params = signature.parameters.values()
+    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return -1
+    return len(params)
+
+
 def argument_checker(signature: inspect.Signature) -> ArgumentChecker:
     """A function that raises TypeError when arguments do not fit ``signature``.
 
@@ -134,8 +146,7 @@ def argument_checker(signature: inspect.Signature) -> ArgumentChecker:
     ``Signature.bind``, which every call would otherwise pay.
     """
     params = list(signature.parameters.values())
-    kinds = {p.kind for p in params}
-    if kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD}:
+    if positional_arity(signature) < 0:
 
         def bind(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
             signature.bind(*args, **kwargs)

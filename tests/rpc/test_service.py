@@ -11,7 +11,12 @@ import pytest
 
 from tensorwire import rpc
 from tensorwire.errors import ConfigError
-from tensorwire.rpc.service import argument_checker, describe, signature_text
+from tensorwire.rpc.service import (
+    argument_checker,
+    describe,
+    positional_arity,
+    signature_text,
+)
 
 
 def plain(a: int, b: str, c: float = 1.0, d: Any = None) -> None: ...
@@ -41,6 +46,20 @@ def test_argument_checker_agrees_with_signature_bind(func: Any) -> None:
         except TypeError as exc:
             got = str(exc)
         assert got == expected, (args, kwargs)
+
+
+def keyword_only(a: int, *, b: int) -> None: ...
+
+
+@pytest.mark.parametrize(("func", "arity"), [(plain, 4), (varargs, -1), (keyword_only, -1),
+                                              (lambda: None, 0)])
+def test_positional_arity_counts_only_plain_signatures(func: Any, arity: int) -> None:
+    # The server skips the argument check for exactly this many positional
+    # arguments, so every such call must bind.
+    signature = inspect.signature(func)
+    assert positional_arity(signature) == arity
+    if arity >= 0:
+        signature.bind(*range(arity))
 
 
 def test_methods_are_described_with_readable_signatures() -> None:
