@@ -17,7 +17,7 @@ from ._encoder import DEFAULT_INLINE_THRESHOLD, Encoder
 __all__ = ("DEFAULT_INLINE_THRESHOLD", "Decoder", "Encoder", "decode", "encode")
 
 # One Encoder/Decoder per thread for the module-level functions: a cache, not
-# shared state (an Encoder reuses its Packer and is not thread-safe).
+# shared state (an Encoder reuses its output buffer and is not thread-safe).
 _local = threading.local()
 
 

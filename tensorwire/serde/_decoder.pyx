@@ -1,21 +1,36 @@
-# cython: language_level=3, annotation_typing=False
+# cython: language_level=3
 """Decoder: (header, buffers) -> Python values.
 
-The decoder unpacks the body in one C call; an ``ext_hook`` rebuilds the ext
-values, checking every size against the buffers it was given. Nothing in a
-header can make it allocate more than the header's own size: every length is
-checked against data that is already present.
+The decoder reads the msgpack body itself, with a pointer that walks the
+header: every length is checked against the bytes that are left before
+anything is read or allocated, so nothing in a header can make it read past
+the end or allocate more than the header's own size, and nesting is counted
+as it is read. Ext values are rebuilt as they are met, each size checked
+against the buffers given. It reads what msgpack-python's ``unpackb(raw=False,
+strict_map_key=False)`` reads, except that every ext code this format does
+not define (msgpack's timestamp, -1, among them) is refused.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Final
+from typing import Any
 
-import msgpack
 import numpy as np
+
+from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.long cimport PyLong_FromLongLong, PyLong_FromUnsignedLongLong
+from cpython.object cimport PyObject
+from cpython.pyport cimport PY_SSIZE_T_MAX
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy
 
 from ..errors import DecodeError
 from . import _buffers, _dtypes, _numpy
@@ -46,27 +61,68 @@ from ._format import (
     MAX_NDIM,
     PREFIX,
     PREFIX_SIZE,
-    PREFIX_STRUCT,
     U64,
     as_memoryview,
 )
 from ._limits import Limits
-from ._registry import TypeRegistry, default_registry
+from ._registry import default_registry
 
-_CONTAINERS: Final = (list, tuple, dict)
-_U8: Final = np.dtype(np.uint8)
-#: Shared "no buffers" state; never written (every index is out of its range).
-_NO_BUFFERS: Final = bytearray()
-_FAST_MAX: Final = ARRAY_HEAD_SIZE + 8 * MAX_NDIM
-CODE_TO_DTYPE: Final = _dtypes.CODE_TO_DTYPE
+cdef object _ndarray = np.ndarray
+cdef object _frombuffer = np.frombuffer
+cdef object _U8 = np.dtype(np.uint8)
+cdef list _CODE_TO_DTYPE = _dtypes.CODE_TO_DTYPE
+cdef bytes _PREFIX = PREFIX
+cdef int _MAX_NDIM = MAX_NDIM
+# The wire constants of _format, as C ints for the per-value code below.
+cdef Py_ssize_t _PREFIX_SIZE = PREFIX_SIZE
+cdef Py_ssize_t _ARRAY_HEAD_SIZE = ARRAY_HEAD_SIZE
+cdef int _EXT_ARRAY = EXT_ARRAY
+cdef int _EXT_TUPLE = EXT_TUPLE
+cdef int _EXT_REGISTERED = EXT_REGISTERED
+cdef int _KIND_NDARRAY = KIND_NDARRAY
+cdef int _FLAG_INLINE = FLAG_INLINE
 
-#: A header up to this size is sliced (a copy) rather than viewed.
-_SMALL_HEADER: Final = 4096
-#: The header prefix of a value without buffers (decode()'s first path).
-_NO_BUFFERS_PREFIX: Final = PREFIX_STRUCT.pack(PREFIX, 0)
+
+cdef struct _Reading:
+    # The state of one decode() call, on its C stack: a registered type's
+    # decode function may call the same Decoder again.
+    const uint8_t* pos  # the next byte of the header to read
+    const uint8_t* end  # the end of the header, or of the ext payload being read
+    PyObject* bufs  # the buffers given (borrowed: decode() holds them)
+    uint8_t* used  # one flag per buffer: referenced yet? (NULL: no buffers)
+    Py_ssize_t nbufs
+    Py_ssize_t taken  # how many buffers are referenced
 
 
-class Decoder:
+cdef inline uint64_t _be(const uint8_t* p, int width) noexcept:
+    """A ``width``-byte big-endian unsigned int (msgpack's lengths and numbers)."""
+    cdef uint64_t value = 0
+    cdef int i
+    for i in range(width):
+        value = (value << 8) | p[i]
+    return value
+
+
+cdef inline uint64_t _le(const uint8_t* p, int width) noexcept:
+    """A ``width``-byte little-endian unsigned int (the ARRAY descriptor's fields)."""
+    cdef uint64_t value = 0
+    cdef int i
+    for i in range(width - 1, -1, -1):
+        value = (value << 8) | p[i]
+    return value
+
+
+cdef inline const uint8_t* _take_bytes(_Reading* r, uint64_t n) except NULL:
+    """The next ``n`` bytes of the header, checked to be there."""
+    cdef const uint8_t* at = r.pos
+    if n > <uint64_t>(r.end - at):
+        raise DecodeError(f"malformed header: truncated ({n} bytes announced, "
+                          f"{r.end - at} left)")
+    r.pos = at + n
+    return at
+
+
+cdef class Decoder:
     """Reusable decoder: ``decode(header, buffers) -> obj``.
 
     Arrays are views of the given buffers, never copies: writable when the
@@ -88,42 +144,27 @@ class Decoder:
             ``limits.broadcast``.
     """
 
-    __slots__ = (
-        "_bufs",
-        "_depth",
-        "_limits",
-        "_max_buffers",
-        "_max_depth",
-        "_max_elements",
-        "_max_header",
-        "_registry",
-        "_small_max",
-        "_taken",
-        "_used",
-    )
+    cdef object _registry
+    cdef object _limits
+    cdef Py_ssize_t _max_depth
+    cdef Py_ssize_t _max_header
+    cdef Py_ssize_t _max_buffers
+    cdef uint64_t _max_elements
 
-    def __init__(
-        self, *, registry: TypeRegistry | None = None, limits: Limits | None = None
-    ) -> None:
+    def __init__(self, *, registry=None, limits=None) -> None:
         self._registry = default_registry if registry is None else registry
         self._limits = Limits() if limits is None else limits
         self._max_depth = self._limits.max_depth
-        self._max_elements = self._limits.max_array_elements
         self._max_header = self._limits.max_header_bytes
         self._max_buffers = self._limits.max_buffers
-        # Headers up to this size without buffers take decode()'s first path.
-        self._small_max = min(_SMALL_HEADER, self._max_header)
-        self._bufs: Sequence[Any] = ()
-        self._used = _NO_BUFFERS  # idle: no call in progress
-        self._taken = 0
-        self._depth = 0
+        self._max_elements = min(self._limits.max_array_elements, (1 << 63) - 1)
 
     @property
     def limits(self) -> Limits:
         """The limits this decoder enforces."""
         return self._limits
 
-    def decode(self, header: Any, buffers: Sequence[Any] = ()) -> Any:
+    def decode(self, header, buffers=()):
         """Decode a header and its buffers back into a value.
 
         Args:
@@ -140,133 +181,242 @@ class Decoder:
                 match its data, too many dims, depth or sizes beyond the
                 limits, invalid UTF-8, unhashable dict keys.
         """
-        kind = type(header)
-        if (
-            (kind is bytes or kind is bytearray)
-            and not buffers
-            and header.startswith(_NO_BUFFERS_PREFIX)
-            and (size := len(header)) <= self._small_max
-            and self._used is _NO_BUFFERS
-        ):
-            # The small RPC message: the checks below in one (prefix, version
-            # and no buffers), and no state to save (see the general case).
-            try:
-                value = msgpack.unpackb(
-                    header[PREFIX_SIZE:], ext_hook=self._ext_hook, strict_map_key=False
-                )
-            except Exception as exc:  # trust nothing; see below
-                raise _as_decode_error(exc) from None
-            if size - PREFIX_SIZE > self._max_depth:
-                self._check_depth(value, 0)
-            return value
-        if kind is bytes or kind is bytearray:
-            # No memoryview; a slice copy is cheaper for small headers.
-            size = len(header)
-            body: Any = (header[PREFIX_SIZE:] if size <= _SMALL_HEADER
-                         else memoryview(header)[PREFIX_SIZE:])
-            view: Any = header
-        else:
-            try:
-                view = memoryview(header)
-            except TypeError:
-                raise DecodeError(
-                    f"header must support the buffer protocol, got {type(header).__qualname__}"
-                ) from None
+        if type(header) is bytes:
+            return self._decode(<const uint8_t*>PyBytes_AS_STRING(header),
+                                PyBytes_GET_SIZE(header), buffers)
+        cdef Py_buffer view
+        try:
+            # Held until the end: a bytearray cannot be resized meanwhile.
+            PyObject_GetBuffer(header, &view, PyBUF_ND | PyBUF_FORMAT)
+        except TypeError:
+            raise DecodeError(
+                f"header must support the buffer protocol, got {type(header).__qualname__}"
+            ) from None
+        except BufferError:
+            raise DecodeError("header must be a contiguous 1-D buffer of bytes") from None
+        try:
             if view.ndim != 1 or view.itemsize != 1:
                 raise DecodeError("header must be a 1-D buffer of bytes")
-            size = view.nbytes
-            body = view[PREFIX_SIZE:]
-        if size < PREFIX_SIZE:
+            return self._decode(<const uint8_t*>view.buf, view.len, buffers)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef object _decode(self, const uint8_t* data, Py_ssize_t size, object buffers):
+        if size < _PREFIX_SIZE:
             raise DecodeError(
-                f"header of {size} bytes is shorter than its {PREFIX_SIZE}-byte prefix"
-            )
+                f"header of {size} bytes is shorter than its {_PREFIX_SIZE}-byte prefix")
         if size > self._max_header:
             raise DecodeError(
-                f"header of {size} bytes exceeds limits.max_header_bytes={self._max_header}"
-            )
-        prefix, nbufs = PREFIX_STRUCT.unpack_from(view)
-        if prefix != PREFIX:
-            if prefix[:3] != PREFIX[:3]:
-                raise DecodeError(f"not a tensorwire header (magic {bytes(prefix[:3])!r})")
+                f"header of {size} bytes exceeds limits.max_header_bytes={self._max_header}")
+        if memcmp(data, PyBytes_AS_STRING(_PREFIX), 4):
+            if memcmp(data, PyBytes_AS_STRING(_PREFIX), 3):
+                raise DecodeError(
+                    f"not a tensorwire header (magic {PyBytes_FromStringAndSize(<char*>data, 3)!r})")
             raise DecodeError(
-                f"unsupported header version {prefix[3]} (this decoder reads {PREFIX[3]})"
-            )
-        if nbufs != len(buffers):
-            raise DecodeError(f"header announces {nbufs} buffers, {len(buffers)} were given")
+                f"unsupported header version {data[3]} (this decoder reads {_PREFIX[3]})")
+        cdef Py_ssize_t nbufs = <Py_ssize_t>_le(data + 4, 4)
+        cdef Py_ssize_t given = len(buffers)
+        if nbufs != given:
+            raise DecodeError(f"header announces {nbufs} buffers, {given} were given")
         if nbufs > self._max_buffers:
             raise DecodeError(f"{nbufs} buffers exceed limits.max_buffers={self._max_buffers}")
-        if not nbufs and self._used is _NO_BUFFERS:
-            # No buffers and (at the top level) idle state: nothing to save,
-            # and the state is back to idle when unpackb returns (_nested
-            # restores the depth). The common small-RPC case.
-            try:
-                value = msgpack.unpackb(body, ext_hook=self._ext_hook, strict_map_key=False)
-            except Exception as exc:  # trust nothing; see below
-                raise _as_decode_error(exc) from None
-            if size - PREFIX_SIZE > self._max_depth:
-                self._check_depth(value, 0)
-            return value
-        # Save and restore the per-call state: a registered decode function may
-        # call this decoder again.
-        saved = (self._bufs, self._used, self._taken, self._depth)
-        self._bufs = buffers
-        self._used = bytearray(nbufs) if nbufs else _NO_BUFFERS
-        self._taken = 0
-        self._depth = 0
+        cdef _Reading r
+        r.pos = data + _PREFIX_SIZE
+        r.end = data + size
+        r.bufs = <PyObject*>buffers
+        r.nbufs = nbufs
+        r.taken = 0
+        r.used = NULL
+        cdef bytearray used
+        if nbufs:
+            used = bytearray(nbufs)
+            r.used = <uint8_t*>PyByteArray_AS_STRING(used)
         try:
-            try:
-                # unpackb bounds every str/bin/array/map/ext length by len(body).
-                value = msgpack.unpackb(body, ext_hook=self._ext_hook, strict_map_key=False)
-            except Exception as exc:  # msgpack and NumPy raise assorted types; trust nothing
-                raise _as_decode_error(exc) from None
-            if self._taken != nbufs:
-                unused = [i for i in range(nbufs) if not self._used[i]]
-                raise DecodeError(f"buffers {unused} are not referenced by the header")
-        finally:
-            self._bufs, self._used, self._taken, self._depth = saved
-        if size - PREFIX_SIZE > self._max_depth:
-            # Nesting needs at least a byte per level, so only a header longer
-            # than max_depth can be too deep; skip the walk for small ones.
-            self._check_depth(value, 0)
+            value = self._read(&r, 0)
+        except Exception as exc:  # NumPy and the C API raise assorted types; trust nothing
+            raise _as_decode_error(exc) from None
+        if r.pos != r.end:
+            raise DecodeError("trailing bytes after the value in the header")
+        if r.taken != nbufs:
+            unused = [i for i in range(nbufs) if not r.used[i]]
+            raise DecodeError(f"buffers {unused} are not referenced by the header")
         return value
 
-    def _check_depth(self, value: Any, depth: int) -> None:
+    # -- msgpack ----------------------------------------------------------------
+
+    cdef object _read(self, _Reading* r, Py_ssize_t depth):
+        """One msgpack object; ``depth``: how many containers hold it."""
+        cdef uint8_t m = _take_bytes(r, 1)[0]
+        cdef const uint8_t* p
+        cdef uint64_t n
+        cdef uint32_t n32
+        cdef double d
+        cdef float f
+        if m < 0x80:
+            return <long>m
+        if m >= 0xE0:
+            return <long><int8_t>m
+        if m < 0x90:
+            return self._read_map(r, m & 0x0F, depth)
+        if m < 0xA0:
+            return self._read_array(r, m & 0x0F, depth, False)
+        if m < 0xC0:
+            return _read_str(r, m & 0x1F)
+        if m == 0xC0:
+            return None
+        if m == 0xC2:
+            return False
+        if m == 0xC3:
+            return True
+        if 0xC4 <= m <= 0xC6:  # bin 8, 16, 32
+            n = _be(_take_bytes(r, 1 << (m - 0xC4)), 1 << (m - 0xC4))
+            p = _take_bytes(r, n)
+            return PyBytes_FromStringAndSize(<const char*>p, n)
+        if 0xC7 <= m <= 0xC9:  # ext 8, 16, 32
+            n = _be(_take_bytes(r, 1 << (m - 0xC7)), 1 << (m - 0xC7))
+            return self._read_ext(r, n, depth)
+        if m == 0xCA:
+            n32 = <uint32_t>_be(_take_bytes(r, 4), 4)
+            memcpy(&f, &n32, 4)
+            return <double>f
+        if m == 0xCB:
+            n = _be(_take_bytes(r, 8), 8)
+            memcpy(&d, &n, 8)
+            return d
+        if 0xCC <= m <= 0xCF:  # uint 8, 16, 32, 64
+            return PyLong_FromUnsignedLongLong(_be(_take_bytes(r, 1 << (m - 0xCC)),
+                                                   1 << (m - 0xCC)))
+        if m == 0xD0:
+            return <long><int8_t>_take_bytes(r, 1)[0]
+        if m == 0xD1:
+            return <long><int16_t>_be(_take_bytes(r, 2), 2)
+        if m == 0xD2:
+            return <long><int32_t>_be(_take_bytes(r, 4), 4)
+        if m == 0xD3:
+            return PyLong_FromLongLong(<int64_t>_be(_take_bytes(r, 8), 8))
+        if 0xD4 <= m <= 0xD8:  # fixext 1, 2, 4, 8, 16
+            return self._read_ext(r, 1 << (m - 0xD4), depth)
+        if 0xD9 <= m <= 0xDB:  # str 8, 16, 32
+            return _read_str(r, _be(_take_bytes(r, 1 << (m - 0xD9)), 1 << (m - 0xD9)))
+        if m == 0xDC or m == 0xDD:
+            n = _be(_take_bytes(r, 2 if m == 0xDC else 4), 2 if m == 0xDC else 4)
+            return self._read_array(r, n, depth, False)
+        if m == 0xDE or m == 0xDF:
+            n = _be(_take_bytes(r, 2 if m == 0xDE else 4), 2 if m == 0xDE else 4)
+            return self._read_map(r, n, depth)
+        raise DecodeError("malformed header: byte 0xc1 is not msgpack")
+
+    cdef int _enter(self, Py_ssize_t depth) except -1:
         if depth > self._max_depth:
             raise DecodeError(f"value nests deeper than limits.max_depth={self._max_depth}")
-        t = type(value)
-        if t is dict:
-            for k, v in value.items():
-                if type(k) is tuple:
-                    self._check_depth(k, depth + 1)
-                if type(v) in _CONTAINERS:
-                    self._check_depth(v, depth + 1)
-        elif t is list or t is tuple:
-            for v in value:
-                if type(v) in _CONTAINERS:
-                    self._check_depth(v, depth + 1)
+        return 0
 
-    def _take(self, ref: int) -> Any:
-        if ref >= len(self._used):
-            raise DecodeError(f"buffer index {ref} out of range: {len(self._used)} buffers given")
-        if self._used[ref]:
+    cdef object _read_array(self, _Reading* r, uint64_t n, Py_ssize_t depth, bint as_tuple):
+        """A list (or the items of a TUPLE) of ``n`` items."""
+        self._enter(depth)
+        if n > <uint64_t>(r.end - r.pos):  # every item is at least one byte
+            raise DecodeError(f"malformed header: truncated (an array of {n} items, "
+                              f"{r.end - r.pos} bytes left)")
+        cdef Py_ssize_t i
+        cdef object items = PyTuple_New(n) if as_tuple else PyList_New(n)
+        for i in range(<Py_ssize_t>n):
+            item = self._read(r, depth + 1)
+            Py_INCREF(item)
+            if as_tuple:
+                PyTuple_SET_ITEM(items, i, item)
+            else:
+                PyList_SET_ITEM(items, i, item)
+        return items
+
+    cdef dict _read_map(self, _Reading* r, uint64_t n, Py_ssize_t depth):
+        self._enter(depth)
+        if n > <uint64_t>(r.end - r.pos) // 2:  # every entry is at least two bytes
+            raise DecodeError(f"malformed header: truncated (a map of {n} entries, "
+                              f"{r.end - r.pos} bytes left)")
+        cdef dict out = {}
+        cdef uint64_t i
+        for i in range(n):
+            key = self._read(r, depth + 1)
+            out[key] = self._read(r, depth + 1)  # TypeError for an unhashable key
+        return out
+
+    cdef object _read_ext(self, _Reading* r, uint64_t n, Py_ssize_t depth):
+        """An ext of ``n`` payload bytes (its type byte comes first)."""
+        cdef int code = <int8_t>_take_bytes(r, 1)[0]
+        cdef const uint8_t* payload = _take_bytes(r, n)
+        cdef const uint8_t* end = r.end
+        if code == _EXT_ARRAY:
+            arr = self._array_fast(r, payload, n)
+            if arr is not None:
+                return arr
+            return self._decode_array(r, PyBytes_FromStringAndSize(<const char*>payload, n))
+        if code != _EXT_TUPLE and code != _EXT_REGISTERED:
+            return self._ext_value(r, code, PyBytes_FromStringAndSize(<const char*>payload, n))
+        # TUPLE and REGISTERED hold one msgpack object that fills the payload.
+        r.pos = payload
+        r.end = payload + n
+        if code == _EXT_TUPLE:
+            value = self._read_tuple(r, depth)
+            what = "tuple"
+        else:
+            value = self._read_registered(r, depth)
+            what = "registered value"
+        if r.pos != r.end:
+            raise DecodeError(f"malformed {what}: trailing bytes in its payload")
+        r.end = end
+        return value
+
+    cdef tuple _read_tuple(self, _Reading* r, Py_ssize_t depth):
+        cdef uint8_t m = r.pos[0] if r.pos < r.end else 0
+        if 0x90 <= m <= 0x9F:
+            r.pos += 1
+            return self._read_array(r, m & 0x0F, depth, True)
+        if m == 0xDC or m == 0xDD:
+            r.pos += 1
+            return self._read_array(
+                r, _be(_take_bytes(r, 2 if m == 0xDC else 4), 2 if m == 0xDC else 4), depth, True)
+        raise DecodeError("malformed tuple: payload is not a msgpack array")
+
+    cdef object _read_registered(self, _Reading* r, Py_ssize_t depth):
+        self._enter(depth)
+        if r.pos >= r.end or r.pos[0] != 0x92:
+            raise DecodeError("malformed registered value: expected [name, value]")
+        r.pos += 1
+        name = self._read(r, depth + 1)
+        if type(name) is not str:
+            raise DecodeError("malformed registered value: expected [name, value]")
+        entry = self._registry.for_name(name)
+        if entry is None:
+            raise DecodeError(f"unknown registered type name {name!r}")
+        inner = self._read(r, depth + 1)
+        try:
+            return entry.decode(inner)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(
+                f"decode function of registered type {name!r} raised {exc!r}") from exc
+
+    # -- ext values -------------------------------------------------------------
+
+    cdef object _take(self, _Reading* r, uint64_t ref):
+        """The buffer ``ref`` names, marked as referenced."""
+        if ref >= <uint64_t>r.nbufs:
+            raise DecodeError(f"buffer index {ref} out of range: {r.nbufs} buffers given")
+        if r.used[ref]:
             raise DecodeError(f"buffer {ref} is referenced twice")
-        self._used[ref] = 1
-        self._taken += 1
-        return self._bufs[ref]
+        r.used[ref] = 1
+        r.taken += 1
+        return (<object>r.bufs)[ref]
 
-    def _ext_hook(self, code: int, data: bytes) -> Any:
-        if code == EXT_ARRAY:
-            arr = self._array_fast(data)
-            return arr if arr is not None else self._decode_array(data)
-        if code == EXT_TUPLE:
-            return tuple(self._nested(data, "tuple"))
+    cdef object _ext_value(self, _Reading* r, int code, bytes data):
         if code == EXT_BYTES:
             if len(data) != BUFFER_REF.size:
                 raise DecodeError("bytes reference must be a 4-byte buffer index and an "
                                   "8-byte length")
-            return self._referenced_bytes(data, 0).tobytes()  # immutable: one copy
-        if code in (EXT_BYTEARRAY, EXT_MEMORYVIEW):
-            return self._decode_bytes_like(code, data)
+            return self._referenced_bytes(r, data, 0).tobytes()  # immutable: one copy
+        if code == EXT_BYTEARRAY or code == EXT_MEMORYVIEW:
+            return self._decode_bytes_like(r, code, data)
         if code == EXT_COMPLEX:
             if len(data) != COMPLEX.size:
                 raise DecodeError(f"complex must be {COMPLEX.size} bytes, got {len(data)}")
@@ -276,82 +426,73 @@ class Decoder:
             if not data:
                 raise DecodeError("empty big int")
             return int.from_bytes(data, "little", signed=True)
-        if code == EXT_REGISTERED:
-            return self._decode_registered(data)
         raise DecodeError(f"unknown ext type code {code}")
 
-    def _array_fast(self, data: bytes) -> Any:
+    cdef object _array_fast(self, _Reading* r, const uint8_t* p, Py_ssize_t size):
         """The common array, quickly; None: take _decode_array. Handles the
-        C-ordered, out-of-band NumPy array in a transport's 1-D uint8 buffer
-        and the small inline one; any failed check leaves the general path,
+        C-ordered NumPy array, out of band in a transport's 1-D uint8 buffer
+        (or a memoryview), or inline; any failed check leaves the general path,
         which does the same checks, to say why."""
-        size = len(data)
-        if size >= ARRAY_HEAD_SIZE:
-            kind, dcode, flags, ndim, _, ref = ARRAY_HEAD.unpack_from(data)
-            if (
-                kind == KIND_NDARRAY
-                and flags == 0
-                and size == ARRAY_HEAD_SIZE + 8 * ndim <= _FAST_MAX
-            ):
-                dtype = CODE_TO_DTYPE[dcode]
-                used = self._used
-                if dtype is not None and ref < len(used) and not used[ref]:
-                    shape = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
-                    count = shape[0] if ndim == 1 else math.prod(shape)
-                    buf = self._bufs[ref]
-                    nbytes = count * dtype.itemsize
-                    tb = type(buf)
-                    arr = None
-                    if 0 < count <= self._max_elements:
-                        if tb is np.ndarray and buf.dtype is _U8 and buf.shape == (nbytes,):
-                            # 1-D uint8 of the right size; view() itself refuses a
-                            # non-contiguous one (-> general path, which says why).
-                            try:  # (try is free in 3.11; suppress() is not)
-                                arr = buf.view(dtype)
-                            except ValueError:
-                                arr = None
-                        elif tb is memoryview and buf.nbytes == nbytes and buf.c_contiguous:
-                            arr = np.frombuffer(buf, dtype=dtype)  # e.g. in-process
-                    if arr is not None:
-                        used[ref] = 1
-                        self._taken += 1
-                        if not arr.flags.aligned:
-                            arr = arr.copy()  # see the class docstring
-                        return arr if ndim == 1 else arr.reshape(shape)
-            elif kind == KIND_NDARRAY and flags == FLAG_INLINE and ndim <= MAX_NDIM and not ref:
-                # Inline fast path: small C-ordered array in the descriptor.
-                offset = ARRAY_HEAD_SIZE + 8 * ndim
-                dtype = CODE_TO_DTYPE[dcode]
-                if dtype is not None and size >= offset:
-                    shape = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
-                    count = shape[0] if ndim == 1 else math.prod(shape)
-                    nbytes = count * dtype.itemsize
-                    if 0 < count <= self._max_elements and size - offset == nbytes:
-                        # A copy: the header's bytes are immutable, and the
-                        # result must be writable like any decoded array.
-                        arr = np.frombuffer(data, dtype, count, offset).copy()
-                        return arr if ndim == 1 else arr.reshape(shape)
-        return None
+        if size < _ARRAY_HEAD_SIZE:
+            return None
+        cdef int ndim = p[3]
+        cdef int flags = p[2]
+        cdef uint64_t ref = _le(p + 6, 4)
+        cdef Py_ssize_t offset = _ARRAY_HEAD_SIZE + 8 * ndim
+        if p[0] != _KIND_NDARRAY or ndim > _MAX_NDIM or size < offset:
+            return None
+        if not (flags == 0 and size == offset) and not (flags == _FLAG_INLINE and ref == 0):
+            return None
+        dtype = _CODE_TO_DTYPE[p[1]]
+        if dtype is None:
+            return None
+        cdef uint64_t count = 1
+        cdef uint64_t dim
+        cdef int i
+        shape = PyTuple_New(ndim)
+        for i in range(ndim):
+            dim = _le(p + _ARRAY_HEAD_SIZE + 8 * i, 8)
+            if dim == 0 or dim > self._max_elements or count > self._max_elements // dim:
+                return None
+            count *= dim
+            item = PyLong_FromUnsignedLongLong(dim)
+            Py_INCREF(item)
+            PyTuple_SET_ITEM(shape, i, item)
+        cdef Py_ssize_t itemsize = dtype.itemsize
+        if count > <uint64_t>(PY_SSIZE_T_MAX // itemsize):
+            return None
+        cdef Py_ssize_t nbytes = <Py_ssize_t>count * itemsize
+        if flags == _FLAG_INLINE:
+            if size - offset != nbytes:
+                return None
+            # A copy: the header's bytes are immutable, and the result must
+            # be writable like any decoded array.
+            arr = _frombuffer(
+                PyByteArray_FromStringAndSize(<const char*>p + offset, nbytes), dtype)
+            return arr if ndim == 1 else arr.reshape(shape)
+        if ref >= <uint64_t>r.nbufs or r.used[ref]:
+            return None
+        buf = (<object>r.bufs)[ref]
+        tb = type(buf)
+        arr = None
+        if tb is _ndarray and buf.dtype is _U8 and buf.shape == (nbytes,):
+            # 1-D uint8 of the right size; view() itself refuses a
+            # non-contiguous one (-> general path, which says why).
+            try:
+                arr = buf.view(dtype)
+            except ValueError:
+                return None
+        elif tb is memoryview and buf.nbytes == nbytes and buf.c_contiguous:
+            arr = _frombuffer(buf, dtype=dtype)  # e.g. in-process
+        if arr is None:
+            return None
+        r.used[ref] = 1
+        r.taken += 1
+        if not arr.flags.aligned:
+            arr = arr.copy()  # see the class docstring
+        return arr if ndim == 1 else arr.reshape(shape)
 
-    def _nested(self, data: bytes, what: str) -> Any:
-        self._depth += 1
-        if self._depth > self._max_depth:
-            raise DecodeError(f"value nests deeper than limits.max_depth={self._max_depth}")
-        try:
-            value = msgpack.unpackb(
-                data, ext_hook=self._ext_hook, strict_map_key=False, use_list=True
-            )
-        except DecodeError:
-            raise
-        except Exception as exc:
-            raise DecodeError(f"malformed {what}: {type(exc).__qualname__}: {exc}") from None
-        finally:
-            self._depth -= 1
-        if what == "tuple" and type(value) is not list:
-            raise DecodeError("malformed tuple: payload is not a msgpack array")
-        return value
-
-    def _decode_bytes_like(self, code: int, data: bytes) -> Any:
+    cdef object _decode_bytes_like(self, _Reading* r, int code, bytes data):
         if not data:
             raise DecodeError("empty bytearray/memoryview payload")
         mode = data[0]
@@ -361,7 +502,7 @@ class Decoder:
             if len(data) != 1 + BUFFER_REF.size:
                 raise DecodeError("bytearray/memoryview reference must be a 4-byte buffer "
                                   "index and an 8-byte length")
-            host = self._referenced_bytes(data, 1)
+            host = self._referenced_bytes(r, data, 1)
             if code == EXT_MEMORYVIEW:
                 return as_memoryview(host)  # a view of the received buffer
             return bytearray(host)  # bytearray owns its memory: one copy
@@ -369,34 +510,16 @@ class Decoder:
             raise DecodeError(f"unknown bytes mode {mode}")
         return raw if code == EXT_BYTEARRAY else memoryview(raw)
 
-    def _referenced_bytes(self, data: bytes, offset: int) -> np.ndarray[Any, Any]:
+    cdef object _referenced_bytes(self, _Reading* r, bytes data, int offset):
         """The buffer a BUFFER_REF at ``offset`` names, checked against its length."""
         ref, declared = BUFFER_REF.unpack_from(data, offset)
-        host, _ = _buffers.host_bytes(self._take(ref), ref)
+        host, _ = _buffers.host_bytes(self._take(r, ref), ref)
         if host.nbytes != declared:
             raise DecodeError(f"buffer {ref} has {host.nbytes} bytes, the header declares "
                               f"{declared}")
         return host
 
-    def _decode_registered(self, data: bytes) -> Any:
-        item = self._nested(data, "registered value")
-        if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
-            raise DecodeError("malformed registered value: expected [name, value]")
-        name, inner = item
-        entry = self._registry.for_name(name)
-        if entry is None:
-            raise DecodeError(f"unknown registered type name {name!r}")
-        self._check_depth(inner, self._depth + 1)
-        try:
-            return entry.decode(inner)
-        except DecodeError:
-            raise
-        except Exception as exc:
-            raise DecodeError(
-                f"decode function of registered type {name!r} raised {exc!r}"
-            ) from exc
-
-    def _decode_array(self, data: bytes) -> Any:
+    cdef object _decode_array(self, _Reading* r, bytes data):
         size = len(data)
         if size < ARRAY_HEAD_SIZE:
             raise DecodeError(f"array descriptor of {size} bytes is truncated")
@@ -408,7 +531,7 @@ class Decoder:
         offset = ARRAY_HEAD_SIZE + 8 * ndim
         if size < offset:
             raise DecodeError(f"array descriptor of {size} bytes is truncated (ndim {ndim})")
-        shape: tuple[int, ...] = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
+        shape = DIMS[ndim].unpack_from(data, ARRAY_HEAD_SIZE)
         stored_shape = shape
         if flags & FLAG_BROADCAST:
             if not self._limits.broadcast:
@@ -435,12 +558,12 @@ class Decoder:
         if inline:
             if ref:
                 raise DecodeError("inline array with a buffer index")
-            payload: Any = memoryview(data)[offset:]
+            payload = memoryview(data)[offset:]
         elif size != offset:
             raise DecodeError(f"array descriptor has {size - offset} trailing bytes")
         else:
-            payload = self._take(ref)
-        if kind in (KIND_NDARRAY, KIND_NPSCALAR):
+            payload = self._take(r, ref)
+        if kind == KIND_NDARRAY or kind == KIND_NPSCALAR:
             why = _numpy.check_flags(kind, flags)
             if why is not None:
                 raise DecodeError(why)
@@ -507,14 +630,15 @@ class Decoder:
         raise DecodeError(f"unknown array kind {kind}")
 
 
+cdef inline str _read_str(_Reading* r, uint64_t n):
+    cdef const uint8_t* p = _take_bytes(r, n)
+    return PyUnicode_DecodeUTF8(<const char*>p, n, NULL)  # UnicodeDecodeError if invalid
+
+
 def _as_decode_error(exc: Exception) -> DecodeError:
-    """Translate an exception raised while unpacking into a DecodeError that says why."""
+    """Translate an exception raised while reading into a DecodeError that says why."""
     if isinstance(exc, DecodeError):
         return exc
-    if isinstance(exc, msgpack.ExtraData):
-        return DecodeError("trailing bytes after the value in the header")
-    if isinstance(exc, msgpack.StackError | RecursionError):
-        return DecodeError("header nests deeper than msgpack allows")
     if isinstance(exc, UnicodeDecodeError):
         return DecodeError(f"invalid UTF-8 in a header string: {exc}")
     if isinstance(exc, ValueError | TypeError):  # TypeError: e.g. an unhashable dict key

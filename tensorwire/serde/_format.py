@@ -64,8 +64,6 @@ MAX_NDIM: Final = 64
 
 #: ``DIMS[n]`` packs/unpacks n little-endian u64 dims (precompiled: hot path).
 DIMS: Final = tuple(struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1))
-#: ``HEAD_AND_DIMS[n]``: ARRAY_HEAD followed by n dims, packed in one call.
-HEAD_AND_DIMS: Final = tuple(struct.Struct(f"<BBBBHI{n}Q") for n in range(MAX_NDIM + 1))
 
 
 class UnsupportedValueError(Exception):

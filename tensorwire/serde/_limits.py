@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-#: msgpack's Packer refuses nesting beyond 511; stay clear of it.
+#: Bounds the recursion of the encoder's and decoder's walks (C stack frames).
 _MAX_DEPTH_CAP = 500
 
 

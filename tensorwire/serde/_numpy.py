@@ -8,7 +8,6 @@ re-broadcast by the decoder only where ``Limits.broadcast`` allows it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,6 @@ from ._format import (
     FLAG_BROADCAST,
     FLAG_FORTRAN,
     FLAG_INLINE,
-    HEAD_AND_DIMS,
     KIND_NDARRAY,
     KIND_NPSCALAR,
     U64,
@@ -31,7 +29,6 @@ from ._format import (
 )
 
 _DTYPE_TO_CODE = _dtypes.DTYPE_TO_CODE
-_FIRST_ML_CODE = min(_dtypes.ML_DTYPES_CODES)
 
 
 def byte_view(data: np.ndarray[Any, Any]) -> memoryview:
@@ -54,20 +51,6 @@ def encode_ndarray(arr: np.ndarray[Any, Any], bufs: list[Any], threshold: int,
     """
     dtype = arr.dtype
     code = _DTYPE_TO_CODE.get(dtype)
-    if code is not None and code < _FIRST_ML_CODE and arr.flags.c_contiguous:
-        # Fast path (the hot case): C-contiguous, whitelisted, out of band.
-        nbytes = arr.nbytes
-        if nbytes and nbytes >= threshold:
-            ndim = arr.ndim
-            ref = len(bufs)
-            bufs.append(as_memoryview(arr).cast("B"))  # zero-copy byte view
-            return new_ext(
-                (
-                    EXT_ARRAY,
-                    ARRAY_HEAD.pack(KIND_NDARRAY, code, 0, ndim, 0, ref)
-                    + DIMS[ndim].pack(*arr.shape),
-                )
-            )
     if code is None:
         code = _dtypes.code_for(dtype)
     shape = arr.shape
@@ -108,36 +91,6 @@ def encode_ndarray(arr: np.ndarray[Any, Any], bufs: list[Any], threshold: int,
     if mask:
         return new_ext((EXT_ARRAY, head + dims + U64.pack(mask)))
     return new_ext((EXT_ARRAY, head + dims))
-
-
-def ndarray_encoder(threshold: int,
-                    broadcast: bool = False) -> Callable[[Any, list[Any], int], ExtType]:
-    """An Encoder handler ``(arr, bufs, depth)`` for ``threshold`` and
-    ``broadcast`` (see ``encode_ndarray``; one call, hot path)."""
-
-    def handler(arr: Any, bufs: list[Any], depth: int) -> ExtType:
-        # The fast path of encode_ndarray, repeated here to save a call per array.
-        code = _DTYPE_TO_CODE.get(arr.dtype)
-        if (
-            code is not None
-            and code < _FIRST_ML_CODE
-            and arr.nbytes >= threshold
-            and arr.nbytes  # memoryview.cast refuses empty shapes
-            and arr.flags.c_contiguous
-        ):
-            ndim = arr.ndim
-            ref = len(bufs)
-            bufs.append(as_memoryview(arr).cast("B"))  # zero-copy byte view
-            desc = HEAD_AND_DIMS[ndim].pack(KIND_NDARRAY, code, 0, ndim, 0, ref, *arr.shape)
-            return new_ext((EXT_ARRAY, desc))
-        if code is not None and code < _FIRST_ML_CODE and arr.flags.c_contiguous:
-            # Small C-contiguous array: inline (one copy into the payload).
-            ndim = arr.ndim
-            desc = HEAD_AND_DIMS[ndim].pack(KIND_NDARRAY, code, FLAG_INLINE, ndim, 0, 0, *arr.shape)
-            return new_ext((EXT_ARRAY, desc + arr.tobytes()))
-        return encode_ndarray(arr, bufs, threshold, broadcast)
-
-    return handler
 
 
 def encode_scalar(value: np.generic, bufs: list[Any], threshold: int) -> ExtType:

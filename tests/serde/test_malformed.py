@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import tracemalloc
 from typing import Any
 
 import msgpack
@@ -248,3 +249,122 @@ def test_property_mutated_headers_only_decode_or_raise(
 def test_property_random_headers(body: bytes, nbufs: int) -> None:
     with contextlib.suppress(DecodeError):
         serde.decode(F.PREFIX + struct.pack("<I", nbufs) + body, [U8] * nbufs)
+
+
+# -- the msgpack reader: lengths, nesting and ext codes -----------------------------
+
+HUGE = b"\xff\xff\xff\xff"
+
+TRUNCATED: list[tuple[str, bytes]] = [
+    ("map32 count beyond the header", b"\xdf" + HUGE),
+    ("map16 count beyond the header", b"\xde\x01\x00" + b"\xc0" * 300),
+    ("fixmap missing its entries", b"\x82\xa1a\x01"),
+    ("map missing a value", b"\x81\xa1a"),
+    ("array32 count beyond the header", b"\xdd" + HUGE),
+    ("array16 count beyond the header", b"\xdc\x00\x05\xc0"),
+    ("fixarray missing items", b"\x93\x01\x02"),
+    ("str32 length beyond the header", b"\xdb" + HUGE + b"abc"),
+    ("str8 length beyond the header", b"\xd9\x10abc"),
+    ("fixstr length beyond the header", b"\xa5ab"),
+    ("bin32 length beyond the header", b"\xc6" + HUGE + b"x"),
+    ("ext32 length beyond the header", b"\xc9" + HUGE + b"\x01"),
+    ("fixext16 payload cut", b"\xd8\x06" + b"\x00" * 8),
+    ("length field cut (str16)", b"\xda\x00"),
+    ("length field cut (array32)", b"\xdd\x00\x00"),
+    ("length field cut (map16)", b"\xde"),
+    ("uint64 cut", b"\xcf\x00\x00\x00"),
+    ("float64 cut", b"\xcb\x00\x00"),
+    ("float32 cut", b"\xca\x00"),
+    ("int16 cut", b"\xd1\x00"),
+    ("ext type byte missing", b"\xc7\x00"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body", [c[1] for c in TRUNCATED], ids=[c[0] for c in TRUNCATED])
+def test_lengths_past_the_end_are_refused(body: bytes) -> None:
+    with pytest.raises(DecodeError, match="malformed header: truncated"):
+        serde.decode(PREFIX0 + body, [])
+    with pytest.raises(ValueError, match=r"incomplete input|exceeds max_"):
+        msgpack.unpackb(body)  # the reference refuses it too
+
+
+@pytest.mark.parametrize("body", [b"\xdd" + HUGE, b"\xdf" + HUGE, b"\xdb" + HUGE + b"x" * 100])
+def test_a_hostile_length_allocates_nothing(body: bytes) -> None:
+    # 2**32 items or bytes claimed by a 5-byte header: refused before anything
+    # the size of the claim is allocated.
+    header = PREFIX0 + body
+    tracemalloc.start()
+    try:
+        with pytest.raises(DecodeError, match="truncated"):
+            serde.decode(header, [])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024
+
+
+@pytest.mark.parametrize(
+    ("opener", "closer"),
+    [(b"\x91", b"\xc0"), (b"\x81\xc0", b"\xc0"), (b"\xdc\x00\x01", b"\xc0"),
+     (b"\x81\xa1k", b"\xc0")],
+    ids=["fixarray", "fixmap key", "array16", "fixmap value"],
+)  # fmt: skip
+def test_nesting_past_the_depth_limit(opener: bytes, closer: bytes) -> None:
+    dec = serde.Decoder(limits=serde.Limits(max_depth=10))
+    assert dec.decode(PREFIX0 + opener * 11 + closer, []) is not None  # depths 0..10
+    with pytest.raises(DecodeError, match="max_depth=10"):
+        dec.decode(PREFIX0 + opener * 12 + closer, [])
+
+
+def test_nesting_past_the_depth_limit_in_registered_values() -> None:
+    reg = serde.TypeRegistry()
+
+    class Box:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+    reg.register(Box, name="Box", encode=lambda b: b.inner, decode=Box)
+    value: Any = None
+    for _ in range(12):
+        value = Box(value)
+    header, _ = serde.Encoder(registry=reg).encode(value)
+    with pytest.raises(DecodeError, match="max_depth=10"):
+        serde.Decoder(registry=reg, limits=serde.Limits(max_depth=10)).decode(header, [])
+    assert type(serde.Decoder(registry=reg).decode(header, [])) is Box
+
+
+REFUSED_EXT: list[tuple[str, bytes]] = [
+    ("msgpack timestamp 32", b"\xd6\xff" + b"\x00" * 4),
+    ("msgpack timestamp 64", b"\xd7\xff" + b"\x00" * 8),
+    ("msgpack timestamp 96", b"\xc7\x0c\xff" + b"\x00" * 12),
+    ("code 0", b"\xd4\x00\x00"),
+    ("code 9", b"\xd4\x09\x00"),
+    ("code 127", b"\xc7\x00\x7f"),
+    ("code -128", b"\xd5\x80\x00\x00"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body", [c[1] for c in REFUSED_EXT], ids=[c[0] for c in REFUSED_EXT])
+def test_ext_codes_the_format_does_not_define_are_refused(body: bytes) -> None:
+    code = struct.unpack_from("b", body, 2 if body[0] == 0xC7 else 1)[0]
+    with pytest.raises(DecodeError, match=f"unknown ext type code {code}$"):
+        serde.decode(PREFIX0 + body, [])
+    with pytest.raises(DecodeError, match="unknown ext type code"):
+        serde.decode(PREFIX0 + b"\x92\x01" + body, [])  # nested too
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [(_header(msgpack.ExtType(F.EXT_TUPLE, b"\x91\x01\x01"))[8:], "malformed tuple: trailing"),
+     (_header(msgpack.ExtType(F.EXT_TUPLE, b"\x92\x01"))[8:], "truncated"),
+     (_header(msgpack.ExtType(F.EXT_REGISTERED, msgpack.packb(["nope", 1])))[8:],
+      "unknown registered type name 'nope'"),
+     (_header(msgpack.ExtType(F.EXT_REGISTERED, msgpack.packb([1, 1])))[8:],
+      "expected [name, value]"),
+     (b"\xc1", "0xc1")],
+    ids=["tuple trailing", "tuple truncated", "registered name", "registered name type", "c1"],
+)  # fmt: skip
+def test_nested_payloads_are_bounded_by_their_ext(body: bytes, needle: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        serde.decode(PREFIX0 + body, [])
+    assert needle in str(info.value)
