@@ -8,10 +8,13 @@ the same values, the same values in.
 from __future__ import annotations
 
 import math
+import re
 import struct
+from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -169,3 +172,18 @@ def test_nested_tuples_and_registered_values_close_their_ext_headers() -> None:
         header, _ = ENCODER.encode(value)
         assert header[8:] == _reference(value)
         assert serde.decode(header) == value
+
+
+def test_the_protocol_docs_example_is_what_encode_writes() -> None:
+    """docs/protocol.md's example header, byte for byte (it once said v1)."""
+    text = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    block = text.split("### Example", 1)[1].split("```", 2)[1]
+    written = bytearray()
+    for line in block.splitlines():
+        for token in line.split():
+            if not re.fullmatch(r"[0-9a-f]{2}", token):
+                break
+            written.append(int(token, 16))
+    header, buffers = serde.encode({"w": np.zeros(1024, "<f4"), "step": 3})
+    assert [memoryview(b).nbytes for b in buffers] == [4096]
+    assert bytes(header) == bytes(written)
