@@ -358,6 +358,7 @@ class BackToBack(RuleBasedStateMachine):
         self.wires: dict[str, deque[tuple[int, int]]] = {}
         self.delivered_after_end = {"client": 0, "server": 0}
         self.outcomes: dict[str, int] = {}
+        self.result_streams = False
 
     @rule(arg=st.booleans(), result=st.booleans(), window=st.integers(1, 5))
     @precondition(lambda self: not self.sides)
@@ -366,6 +367,7 @@ class BackToBack(RuleBasedStateMachine):
                       "server": CallState(SERVER, arg, result, window if arg else 0)}
         self.wires = {"client": deque(), "server": deque()}
         self.outcomes = {}
+        self.result_streams = result
         self.sides["client"].send(REQUEST)
         self.wires["client"].append((REQUEST, 0))
 
@@ -449,6 +451,21 @@ class BackToBack(RuleBasedStateMachine):
         if kind == CREDIT and receiver.out_ended:
             return  # a late grant may cross the receiver's END: it is taken
         before = repr(receiver)
+        if (kind == CREDIT and who == "client" and not self.result_streams
+                and 0 < count <= MAX_CREDIT and not receiver.done):
+            # What stream() of a unary method grants: the server cannot
+            # tell it from a forgery, and drops it.
+            assert receiver.receive(kind, count) is False
+            assert repr(receiver) == before
+            return
+        if kind == RESPONSE and who == "server" and self.result_streams and not receiver.done:
+            # A client that asked for a stream of what turned out to be a
+            # unary method takes the RESPONSE as the end (the caller
+            # reports the mismatch).
+            assert receiver.receive(kind, count) is True
+            assert receiver.outcome == RESPONDED
+            self.sides = {}
+            return
         try:
             receiver.receive(kind, count)
         except LocalProtocolError:  # pragma: no cover - the wrong side's error
