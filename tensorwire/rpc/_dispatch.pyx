@@ -18,13 +18,12 @@ cimport cython
 from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyContext_Exit
 from cpython.ref cimport PyObject, Py_XDECREF
 
-from .._counters cimport MethodMetrics, record_call
+from .._counters cimport MethodMetrics, now, record_call
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore
 
 import asyncio
 import logging
-import time
 import traceback
 
 from .. import serde
@@ -56,7 +55,6 @@ cdef extern from "Python.h":
 logger = logging.getLogger("tensorwire.rpc.server")
 
 cdef object _CancelledError = asyncio.CancelledError
-cdef object _perf_counter = time.perf_counter
 cdef object _EncodeError = serde.EncodeError
 cdef object _DecodeError = serde.DecodeError
 cdef object _encode_message = protocol.encode
@@ -183,7 +181,7 @@ cdef class RequestDispatch:
         slots = self._slots
         if not slots.try_acquire():
             return False
-        cdef double started = _perf_counter()
+        cdef double started = now()
         cdef MethodMetrics metrics = method.metrics
         metrics.bytes_in += nbytes
         call_id = request.call_id
@@ -282,7 +280,7 @@ async def run_call(ServerCall call, Method method):
     request = call.request
     session = call.session
     slots = session._slots
-    started = _perf_counter()
+    cdef double started = now()
     failed = True
     reply = None  # its frames
     cdef int kind = _RESPONSE
@@ -364,6 +362,7 @@ cdef list _error(str method_name, call_id, exc):
 cdef void _post(DriverCore driver, MethodMetrics metrics, list frames) except *:
     """Post an answer, counting its bytes; dropped when the connection is
     gone (nobody to answer)."""
+    cdef Py_ssize_t sent
     try:
         sent = driver.post_frames(frames)
     except Unavailable:
