@@ -132,7 +132,7 @@ def positional_arity(signature: inspect.Signature) -> int:
     fits ``signature`` (named parameters only, none left to its default);
     -1 for a signature with ``*args``, ``**kwargs`` or keyword-only or
     positional-only parameters. The server checks this first, in C, on every
-    call (``_dispatch.check_arguments``)."""
+    call (``_dispatch.Method.check``)."""
     params = signature.parameters.values()
     if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
         return -1
