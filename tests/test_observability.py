@@ -167,6 +167,23 @@ def test_histograms_of_two_processes_add_up() -> None:
     assert one[le] == 2  # 3 µs and the one on the edge
 
 
+def test_the_counters_clock_is_perf_counter() -> None:
+    # Calls are timed with _counters.now() (C); timeline spans and callers
+    # that pass a time.perf_counter() reading must be on the same clock.
+    import time
+
+    from tensorwire._counters import MethodMetrics, now
+
+    before = time.perf_counter()
+    reading = now()
+    after = time.perf_counter()
+    assert before - 1e-6 <= reading <= after + 1e-6
+    metrics = MethodMetrics()
+    metrics.observe(2e-4, True)
+    assert metrics.calls == 1 and metrics.errors == 1
+    assert sum(metrics.buckets) == 1 and len(metrics.buckets) == 145
+
+
 async def test_rpc_and_parameter_server_spans() -> None:
     from tensorwire import ps
     from tensorwire.rpc import ClientConfig, ServerConfig

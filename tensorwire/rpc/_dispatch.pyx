@@ -1,21 +1,29 @@
 # cython: language_level=3
-"""The server's dispatch of a request to its handler, compiled: where a
-session's REQUESTs arrive (``RequestDispatch``), the record of one call
-(``ServerCall``; ``server._Call`` adds its streaming parts), the one path
-every call runs (``run_call``: its arguments, the handler, its
-answer as a RESPONSE, stream items or an ERROR, metrics and the timeline),
-and how it starts (``start_call``).
+"""The server's dispatch of a request to its handler, compiled: the record
+of one hosted method (``Method``), where a session's REQUESTs arrive
+(``RequestDispatch``), the record of one call that runs in a task
+(``ServerCall``; ``server._Call`` adds its streaming parts) and the path
+such a call runs (``run_call``: its arguments, the handler, its answer as a
+RESPONSE, stream items or an ERROR, metrics and the timeline).
+
+A unary call whose handler cannot suspend (no ``await`` in its body:
+``Method.at_once``) needs no task: ``RequestDispatch._run_at_once`` runs its
+coroutine to its end in one C-level step, in a context of its own, and
+answers at once, with no ``ServerCall`` or ``CallState``. Every other call
+runs in a task, through ``run_call``. Both paths build their answer, map
+errors and record metrics with the same helpers (the end of the module).
 """
 
 cimport cython
+from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyContext_Exit
+from cpython.ref cimport PyObject, Py_XDECREF
 
-from .._counters cimport record_call
+from .._counters cimport MethodMetrics, now, record_call
 from ._calls cimport CallState
+from ._driver_core cimport DriverCore
 
 import asyncio
-import contextvars
 import logging
-import time
 import traceback
 
 from .. import serde
@@ -30,18 +38,23 @@ from ..errors import (
     Status,
     Unavailable,
 )
-from .._eager import start_eagerly
 from . import protocol
 from ._calls import SERVER
 from ._wire import encode_response
-from .service import signature_text
+from .service import argument_checker, cannot_suspend, positional_arity, signature_text
+
+
+cdef extern from "Python.h":
+    # Python 3.10+: one step of a coroutine without a StopIteration at its
+    # end. PYGEN_ERROR (-1) means an exception is set.
+    enum:
+        PYGEN_NEXT
+    int PyIter_Send(object iterator, object arg, PyObject **result) except -1
+
 
 logger = logging.getLogger("tensorwire.rpc.server")
 
 cdef object _CancelledError = asyncio.CancelledError
-cdef object _Task = asyncio.Task
-cdef object _copy_context = contextvars.copy_context
-cdef object _perf_counter = time.perf_counter
 cdef object _EncodeError = serde.EncodeError
 cdef object _DecodeError = serde.DecodeError
 cdef object _encode_message = protocol.encode
@@ -52,19 +65,87 @@ cdef int _RESPONSE = protocol.Kind.RESPONSE
 cdef int _ERROR = protocol.Kind.ERROR
 
 
+@cython.final
+cdef class Method:
+    """One hosted method as dispatch reads it: its handler (a bound method of
+    the service), its ``MethodInfo``, metrics, whether its calls run at once,
+    and what checking its arguments takes."""
+
+    cdef readonly str name
+    cdef readonly object func
+    cdef readonly object info
+    cdef readonly MethodMetrics metrics
+    cdef readonly bint streaming
+    # A unary handler that cannot suspend: its calls need no task of their
+    # own, no deadline timer, no cancellation.
+    cdef readonly bint at_once
+    # Arguments that fit by count alone (the usual call) need no check.
+    cdef Py_ssize_t _arity
+    cdef object _check
+
+    def __init__(self, str name, func, info, MethodMetrics metrics):
+        self.name = name
+        self.func = func
+        self.info = info
+        self.metrics = metrics
+        self.streaming = info.streaming
+        self.at_once = not info.streaming and cannot_suspend(func)
+        self._arity = positional_arity(info.signature)
+        self._check = argument_checker(info.signature)
+
+    def __repr__(self):
+        return f"<Method {self.name}>"
+
+    cpdef void check(self, list args, dict kwargs) except *:
+        """Raises InvalidArgument when the arguments do not fit the handler."""
+        if not kwargs and len(args) == self._arity:
+            return  # every parameter given by position: the usual call
+        try:
+            self._check(args, kwargs)
+        except TypeError as exc:
+            shown = signature_text(self.info.signature)
+            raise InvalidArgument(f"arguments do not fit {self.name}{shown}: {exc}") from None
+
+    cdef object call(self, list args, dict kwargs):
+        """The handler called: its coroutine (or async generator)."""
+        # Without an empty keyword dict copied into the call.
+        return self.func(*args, **kwargs) if kwargs else self.func(*args)
+
+
+@cython.final
 cdef class RequestDispatch:
-    """A server session's messages arrive here: a REQUEST starts its call
-    (a ``call_class``, a ``ServerCall``); every other message goes to the
-    session's ``on_other``."""
+    """A server session's messages arrive here: a REQUEST starts its call;
+    every other message goes to the session's ``on_other``. ``attach`` the
+    session's driver before the first message: answers are posted to it."""
 
     cdef object _session
     cdef object _on_other
     cdef object _call_class
+    # What every call reads, fixed for the session's life: its calls in
+    # flight (those in a task), the server's methods, slots and codec.
+    cdef dict _calls
+    cdef dict _methods
+    cdef object _slots
+    cdef object _decoder
+    cdef object _encoder
+    cdef object _timeline
+    cdef Py_ssize_t _limit
+    cdef DriverCore _driver
 
     def __init__(self, session, on_other, call_class):
         self._session = session
         self._on_other = on_other
         self._call_class = call_class
+        self._calls = session.calls
+        self._methods = session.server._methods
+        self._slots = session._slots
+        self._decoder, self._encoder = session._decoder, session._encoder
+        self._timeline = session._timeline
+        self._limit = session._limit
+
+    def attach(self, DriverCore driver not None):
+        """Answers go to ``driver`` (the session's, made after this)."""
+        self._driver = driver
 
     def on_message(self, message, Py_ssize_t nbytes):
         if type(message) is _Request:
@@ -73,25 +154,84 @@ cdef class RequestDispatch:
             self._on_other(message, nbytes)
 
     cdef void _start(self, request, Py_ssize_t nbytes) except *:
-        session = self._session
         call_id = request.call_id
-        calls = session.calls
-        if call_id in calls:
+        if call_id in self._calls:
             raise ProtocolError(f"call id {call_id} is already in use")
-        if not session._accepting or len(calls) >= session._limit:
+        accepting = self._session._accepting
+        if not accepting or len(self._calls) >= self._limit:
             error = (
-                Unavailable("the server is shutting down") if not session._accepting
+                Unavailable("the server is shutting down") if not accepting
                 else ResourceExhausted(
-                    f"more than {session._limit} calls in flight on one connection")
+                    f"more than {self._limit} calls in flight on one connection")
             )
-            session.driver.send_soon(error_message(call_id, error))
+            self._session.driver.send_soon(error_message(call_id, error))
             return
-        start_call(self._call_class(session, request, nbytes),
-                   session._handlers.get(request.method))
+        method = self._methods.get(request.method)
+        if (method is not None and (<Method>method).at_once and request.stream_arg < 0
+                and self._run_at_once(request, nbytes, method)):
+            return
+        self._start_call(self._call_class(self._session, request, nbytes), method)
+
+    cdef bint _run_at_once(self, request, Py_ssize_t nbytes, Method method) except -1:
+        """Run a call of an ``at_once`` method to its end, now: its handler's
+        coroutine one step (``PyIter_Send``, which ends it), in a copy of
+        the current context as a task would have, then its answer. False,
+        and nothing done, when no slot is free: the call waits for one in a
+        task."""
+        slots = self._slots
+        if not slots.try_acquire():
+            return False
+        cdef double started = now()
+        cdef MethodMetrics metrics = method.metrics
+        metrics.bytes_in += nbytes
+        call_id = request.call_id
+        cdef bint failed = True
+        cdef bint suspended
+        cdef PyObject *out = NULL
+        reply = None
+        try:
+            args, kwargs = unpack_arguments(request, method, self._decoder)
+            method.check(args, kwargs)
+            context = PyContext_CopyCurrent()
+            PyContext_Enter(context)
+            try:
+                coro = method.call(args, kwargs)
+                suspended = PyIter_Send(coro, None, &out) == PYGEN_NEXT
+                result = <object>out
+                Py_XDECREF(out)
+            finally:
+                PyContext_Exit(context)
+            if suspended:  # a bug: cannot_suspend() was wrong
+                coro.close()
+                raise RuntimeError(f"{method.name} suspended, though it has no await")
+            reply = _response(call_id, method, result, self._encoder)
+            failed = False
+        except _CancelledError:
+            pass  # a handler that cancels itself gets no reply, as in a task
+        except Exception as exc:
+            reply = _error(request.method, call_id, exc)
+        finally:
+            slots.release()
+            record_call(metrics, self._timeline, request.method, "rpc.server", started, failed)
+        if reply is not None:
+            _post(self._driver, metrics, reply)
+        return True
+
+    cdef void _start_call(self, ServerCall call, Method method) except *:
+        """Run ``call`` in a task of its own, which a CANCEL or the deadline
+        cancels."""
+        cdef bint arg_streams = call.request.stream_arg >= 0
+        call.state = CallState(_SERVER, arg_streams, method is not None and method.streaming,
+                               call.session.server.config.stream_window if arg_streams else 0)
+        call.state.receive(_REQUEST)
+        task = call.task = call._loop.create_task(run_call(call, method))
+        self._calls[call.call_id] = call
+        task.add_done_callback(call.forget)
 
 
 cdef class ServerCall:
-    """One call on the server, from its REQUEST to its answer."""
+    """One call on the server that runs in a task, from its REQUEST to its
+    answer."""
 
     cdef public object session
     cdef public object request
@@ -101,13 +241,13 @@ cdef class ServerCall:
     # Its streams (rpc._streams.CallStreams), made by server._Call when
     # the call has one.
     cdef public object streams
-    # The call's rules (rpc._calls), set by start_call.
+    # The call's rules (rpc._calls), set when it starts.
     cdef public CallState state
-    # Set by start_call when the call goes on in a task of its own.
+    # The task it runs in, once started.
     cdef public object task
     cdef public bint _expired
     # The session's loop, not get_running_loop(): on Python 3.11 that asks
-    # the OS for the pid every time, and this runs for every call.
+    # the OS for the pid every time.
     cdef public object _loop
 
     def __init__(self, session, request, Py_ssize_t nbytes):
@@ -134,69 +274,39 @@ cdef class ServerCall:
             del calls[self.call_id]
 
 
-def start_call(ServerCall call, handler):
-    """Run ``call`` (a ``server._Call``): at once, to its end, when its
-    handler cannot suspend (no task, no deadline timer, no entry among the
-    session's calls in flight: ``_Handler.inline``); else in a task of its
-    own, which a CANCEL or the deadline cancels."""
-    cdef bint arg_streams = call.request.stream_arg >= 0
-    call.state = CallState(_SERVER, arg_streams,
-                           handler is not None and handler.info.streaming,
-                           call.session.server.config.stream_window if arg_streams else 0)
-    call.state.receive(_REQUEST)
-    if handler is not None and handler.inline and not arg_streams:
-        try:
-            # A context of its own, as a task would have.
-            task = _copy_context().run(start_eagerly, run_call(call, handler))
-        except _CancelledError:
-            return  # a handler that cancels itself gets no reply, as in a task
-        if task is None:
-            return  # the usual case: answered already
-        # It waited for one of the server's slots.
-    else:
-        task = call._loop.create_task(run_call(call, handler))
-    call.task = task
-    call.session.calls[call.call_id] = call
-    task.add_done_callback(call.forget)
-
-
-async def run_call(ServerCall call, handler):
-    """The one path of every call (see the module); ``handler`` is None for
-    a method the server does not have (NOT_FOUND)."""
+async def run_call(ServerCall call, Method method):
+    """The path of every call that runs in a task (see the module);
+    ``method`` is None for a method the server does not have (NOT_FOUND)."""
     request = call.request
     session = call.session
     slots = session._slots
-    started = _perf_counter()
+    cdef double started = now()
     failed = True
     reply = None  # its frames
     cdef int kind = _RESPONSE
     try:
-        if handler is None:
-            handler = session.server._handler(request.method)  # raises NotFound
-        metrics = call.metrics = handler.metrics
+        if method is None:
+            method = session.server._method(request.method)  # raises NotFound
+        metrics = call.metrics = method.metrics
         metrics.bytes_in += call.request_bytes
         if not slots.try_acquire():
             await slots.acquire()
         try:
             if request.stream_arg < 0:
-                args, kwargs = unpack_arguments(request, handler, session._decoder)
-                check_arguments(handler, args, kwargs)
+                args, kwargs = unpack_arguments(request, method, session._decoder)
+                method.check(args, kwargs)
             else:
-                args, kwargs = call._arguments(handler)  # with the streamed argument
-            # A timer on the loop rather than asyncio.timeout(): cheaper,
-            # and a handler that cannot suspend needs none.
+                args, kwargs = call._arguments(method)  # with the streamed argument
+            # A timer on the loop rather than asyncio.timeout(): cheaper.
             timer = None
-            if request.timeout is not None and not handler.inline:
+            if request.timeout is not None:
                 timer = call._loop.call_later(request.timeout, call._expire)
             try:
-                if handler.info.streaming:
-                    await call._stream(handler, args, kwargs)
+                if method.streaming:
+                    await call._stream(method, args, kwargs)
                 else:
-                    # Without an empty keyword dict copied into the call.
-                    result = await (handler.func(*args, **kwargs) if kwargs
-                                    else handler.func(*args))
-                    reply = encode_response(call.call_id,
-                                            encode_value(result, handler.name, session._encoder))
+                    result = await method.call(args, kwargs)
+                    reply = _response(call.call_id, method, result, session._encoder)
             except _CancelledError:
                 if not call._expired or call.task is None or call.task.uncancel() > 0:
                     raise
@@ -214,9 +324,7 @@ async def run_call(ServerCall call, handler):
         # Never swallowed; a cancel from the client needs no reply.
         raise
     except Exception as exc:
-        if not isinstance(exc, RemoteError):
-            logger.debug("%s raised", request.method, exc_info=exc)
-        reply = _encode_message(error_message(call.call_id, exc))
+        reply = _error(request.method, call.call_id, exc)
         kind = _ERROR
     finally:
         if call.metrics is not None:
@@ -234,15 +342,36 @@ async def run_call(ServerCall call, handler):
         # anyway: the call is over (the client gives up on its own).
         logger.debug("%s: no answer after the call ended", request.method)
         return
+    _post(<DriverCore>session.driver, call.metrics, reply)
+
+
+# --- answers, shared by both paths ------------------------------------------------------
+
+cdef list _response(call_id, Method method, result, encoder):
+    """The RESPONSE carrying a unary handler's result."""
+    return encode_response(call_id, encode_value(result, method.name, encoder))
+
+
+cdef list _error(str method_name, call_id, exc):
+    """The ERROR for a handler's (or its arguments') exception."""
+    if not isinstance(exc, RemoteError):
+        logger.debug("%s raised", method_name, exc_info=exc)
+    return _encode_message(error_message(call_id, exc))
+
+
+cdef void _post(DriverCore driver, MethodMetrics metrics, list frames) except *:
+    """Post an answer, counting its bytes; dropped when the connection is
+    gone (nobody to answer)."""
+    cdef Py_ssize_t sent
     try:
-        sent = session.driver.post_frames(reply)
+        sent = driver.post_frames(frames)
     except Unavailable:
-        return  # the connection is gone: nobody to answer
-    if call.metrics is not None:
-        call.metrics.bytes_out += sent
+        return
+    if metrics is not None:
+        metrics.bytes_out += sent
 
 
-cpdef tuple unpack_arguments(object request, object handler, object decoder):
+cpdef tuple unpack_arguments(object request, Method method, object decoder):
     """A request's ``(args, kwargs)``.
 
     Raises:
@@ -254,7 +383,7 @@ cpdef tuple unpack_arguments(object request, object handler, object decoder):
         value = (decoder.decode(frames[0]) if len(frames) == 1
                  else decoder.decode(frames[0], frames[1:]))
     except _DecodeError as exc:
-        raise InvalidArgument(f"the arguments of {handler.name} do not decode: {exc}") from None
+        raise InvalidArgument(f"the arguments of {method.name} do not decode: {exc}") from None
     if type(value) is list and len(value) == 2:
         # What our client sends.
         args, kwargs = value
@@ -269,17 +398,6 @@ cpdef tuple unpack_arguments(object request, object handler, object decoder):
         raise InvalidArgument("a request's value must be [args, kwargs]")
     args = value[0]
     return (args if type(args) is list else list(args)), value[1]
-
-
-cpdef void check_arguments(object handler, list args, dict kwargs) except *:
-    """Raises InvalidArgument when the arguments do not fit the handler."""
-    if not kwargs and len(args) == <Py_ssize_t>handler.arity:
-        return  # every parameter given by position: the usual call
-    try:
-        handler.check(args, kwargs)
-    except TypeError as exc:
-        shown = signature_text(handler.info.signature)
-        raise InvalidArgument(f"arguments do not fit {handler.name}{shown}: {exc}") from None
 
 
 cpdef list encode_value(object value, str method_name, object encoder):

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import dis
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from .. import serde
-from .._counters import MethodMetrics, Metrics
+from .._counters import Metrics
 from ..errors import (
     ConfigError,
     ConnectionClosedError,
@@ -26,9 +25,9 @@ from ..transports import Connection, Listener, listen
 from . import protocol
 from ._connection_driver import ConnectionDriver
 from ._dispatch import (
+    Method,
     RequestDispatch,
     ServerCall,
-    check_arguments,
     error_message,
     unpack_arguments,
 )
@@ -39,12 +38,9 @@ from ._slots import Slots
 from ._streams import CallStreams
 from .config import ServerConfig
 from .service import (
-    MethodInfo,
     Service,
-    argument_checker,
     describe,
     method,
-    positional_arity,
     service_name,
     signature_text,
 )
@@ -68,24 +64,6 @@ class Reflection(Service):
         return self._server.describe()
 
 
-class _Handler:
-    __slots__ = ("arity", "check", "func", "info", "inline", "metrics", "name")
-
-    def __init__(self, name: str, func: Callable[..., Any], info: MethodInfo,
-                 metrics: MethodMetrics) -> None:
-        self.name = name
-        self.func = func
-        self.info = info
-        self.metrics = metrics
-        self.check = argument_checker(info.signature)
-        # Arguments that fit by count alone (the usual call) need no check.
-        self.arity = positional_arity(info.signature)
-        # A unary handler that cannot suspend runs to its end at once: it
-        # needs no task of its own (Python 3.12's eager tasks, for the case
-        # where they are plainly safe), no deadline timer, no cancellation.
-        self.inline = not info.streaming and _never_suspends(func)
-
-
 class Server:
     """Hosts services; ``start()`` it on one or more addresses.
 
@@ -100,7 +78,7 @@ class Server:
         """Raises ConfigError when two services share a name or a service has no methods."""
         self.config = config or ServerConfig()
         self._metrics = Metrics()
-        self._handlers: dict[str, _Handler] = {}
+        self._methods: dict[str, Method] = {}
         self._services: dict[str, Service] = {}
         for service in [*services, Reflection(self)]:
             self._add(service)
@@ -124,8 +102,7 @@ class Server:
         self._services[name] = service
         for remote, (attr, info) in methods.items():
             full = f"{name}.{remote}"
-            self._handlers[full] = _Handler(full, getattr(service, attr), info,
-                                            self._metrics[full])
+            self._methods[full] = Method(full, getattr(service, attr), info, self._metrics[full])
 
     @property
     def addresses(self) -> list[str]:
@@ -262,14 +239,14 @@ class Server:
                 return None
         return shake.client_name
 
-    def _handler(self, name: str) -> _Handler:
-        handler = self._handlers.get(name)
-        if handler is None:
+    def _method(self, name: str) -> Method:
+        found = self._methods.get(name)
+        if found is None:
             service, _, method_name = name.rpartition(".")
             if service in self._services:
                 raise NotFound(f"service {service!r} has no method {method_name!r}")
             raise NotFound(f"no service {service or name!r} on this server")
-        return handler
+        return found
 
 
 class _ServerSession:
@@ -281,7 +258,18 @@ class _ServerSession:
         self.client_name = client_name
         # Requests skipped while the handshake was answered.
         self._refused_early = refused
+        # The calls running in a task of their own (most unary calls are
+        # answered at once and never listed: _dispatch).
         self.calls: dict[int, _Call] = {}
+        self._accepting = True
+        self._done = asyncio.Event()
+        # What every call looks up, fixed for the server's life.
+        self._limit = server.config.max_concurrent_per_connection
+        self._timeline = server.config.timeline
+        self._decoder, self._encoder = server._decoder, server._encoder
+        slots = server._slots
+        assert slots is not None  # made by start(), before any session
+        self._slots = slots
         # REQUESTs start their calls in RequestDispatch (compiled); the rest
         # comes to _on_message. Only the driver holds it, and lets go of it
         # when closed (no cycle: issue 21).
@@ -290,16 +278,7 @@ class _ServerSession:
                                heartbeat_timeout=server.config.heartbeat_timeout,
                                on_refused=self._on_refused,
                                max_unsent=server.config.transport.max_unsent_bytes)
-        self._accepting = True
-        self._done = asyncio.Event()
-        # What every call looks up, fixed for the server's life.
-        self._handlers = server._handlers
-        self._limit = server.config.max_concurrent_per_connection
-        self._timeline = server.config.timeline
-        self._decoder, self._encoder = server._decoder, server._encoder
-        slots = server._slots
-        assert slots is not None  # made by start(), before any session
-        self._slots = slots
+        dispatch.attach(self.driver)
 
     async def run(self) -> None:
         self.driver.start(refused=self._refused_early)
@@ -316,7 +295,7 @@ class _ServerSession:
         self._accepting = False
 
     def call_tasks(self) -> list[asyncio.Task[None]]:
-        # Only calls that run in a task of their own are kept (_dispatch.start_call).
+        # Only calls that run in a task of their own are kept (_dispatch).
         return [call.task for call in self.calls.values() if call.task is not None]
 
     async def close(self) -> None:
@@ -352,9 +331,9 @@ class _ServerSession:
         """A request or stream item beyond the server's limits was skipped:
         that call fails with RESOURCE_EXHAUSTED, the connection goes on."""
         if isinstance(message, protocol.Request):
-            handler = self._handlers.get(message.method)
-            if handler is not None:
-                handler.metrics.observe(0.0, True)
+            found = self.server._methods.get(message.method)
+            if found is not None:
+                found.metrics.observe(0.0, True)
             exhausted = ResourceExhausted(
                 f"the request to {message.method} is beyond this server's limits: {error}")
             self.driver.send_soon(error_message(message.call_id, exhausted))
@@ -388,15 +367,6 @@ class _ArgumentStream:
         return _decode(item.value, "stream item", self._decoder)
 
 
-def _never_suspends(func: Callable[..., Any]) -> bool:
-    """True for a coroutine function whose body has no ``await``, ``async
-    with`` or ``async for``: every suspension point compiles to YIELD_VALUE."""
-    code = getattr(func, "__code__", None)
-    if code is None or not inspect.iscoroutinefunction(func):
-        return False
-    return not any(ins.opname == "YIELD_VALUE" for ins in dis.get_instructions(code))
-
-
 def _decode(frames: list[Any], what: str, decoder: serde.Decoder) -> Any:
     try:
         return decoder.decode(frames[0], frames[1:])
@@ -416,28 +386,28 @@ class _Call(ServerCall):
                                        self.metrics, self.call_id)
         return self.streams
 
-    def _arguments(self, handler: _Handler) -> tuple[list[Any], dict[str, Any]]:
-        args, kwargs = unpack_arguments(self.request, handler, self.session._decoder)
+    def _arguments(self, method: Method) -> tuple[list[Any], dict[str, Any]]:
+        args, kwargs = unpack_arguments(self.request, method, self.session._decoder)
         stream_arg = self.request.stream_arg
         if stream_arg >= 0:
             if stream_arg > len(args):
                 raise InvalidArgument(f"stream argument {stream_arg} is out of range")
             args.insert(stream_arg, _ArgumentStream(self.call_streams(), self.session._decoder))
-        check_arguments(handler, args, kwargs)
+        method.check(args, kwargs)
         if stream_arg >= 0:
             streams = self.call_streams()
             streams.metrics = self.metrics
             streams.open()
         return args, kwargs
 
-    async def _stream(self, handler: _Handler, args: list[Any], kwargs: dict[str, Any]) -> None:
+    async def _stream(self, method: Method, args: list[Any], kwargs: dict[str, Any]) -> None:
         streams = self.call_streams()
         streams.metrics = self.metrics
         encoder = self.session._encoder
-        generator = handler.func(*args, **kwargs)
+        generator = method.func(*args, **kwargs)
         try:
             async for item in generator:
-                if not await streams.send_item(_encode(item, handler.name, encoder)):
+                if not await streams.send_item(_encode(item, method.name, encoder)):
                     return  # the call is over: nothing more goes out
         finally:
             await generator.aclose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import dis
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
@@ -131,11 +132,24 @@ def positional_arity(signature: inspect.Signature) -> int:
     fits ``signature`` (named parameters only, none left to its default);
     -1 for a signature with ``*args``, ``**kwargs`` or keyword-only or
     positional-only parameters. The server checks this first, in C, on every
-    call (``_dispatch.check_arguments``)."""
+    call (``_dispatch.Method.check``)."""
     params = signature.parameters.values()
     if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
         return -1
     return len(params)
+
+
+def cannot_suspend(func: Callable[..., Any]) -> bool:
+    """True for a coroutine function whose body has no ``await``, ``async
+    with`` or ``async for`` (every suspension point compiles to
+    YIELD_VALUE): its coroutine runs to its end in one step. The server
+    runs such a unary handler at once, with no task (``_dispatch``): code
+    that awaits may need one before it suspends (``asyncio.timeout``,
+    ``TaskGroup``), so nothing else can run that way."""
+    code = getattr(func, "__code__", None)
+    if code is None or not code.co_flags & inspect.CO_COROUTINE:
+        return False
+    return not any(ins.opname == "YIELD_VALUE" for ins in dis.get_instructions(code))
 
 
 def argument_checker(signature: inspect.Signature) -> ArgumentChecker:

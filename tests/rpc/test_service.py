@@ -13,6 +13,7 @@ from tensorwire import rpc
 from tensorwire.errors import ConfigError
 from tensorwire.rpc.service import (
     argument_checker,
+    cannot_suspend,
     describe,
     positional_arity,
     signature_text,
@@ -131,12 +132,10 @@ class _Kinds:
 
 
 @pytest.mark.parametrize(
-    ("name", "inline"),
+    ("name", "at_once"),
     [("plain", True), ("awaits", False), ("uses_async_with", False),
      ("uses_async_for", False), ("awaits_in_a_comprehension", False),
      ("not_a_coroutine", False)],
 )
-def test_only_handlers_that_cannot_suspend_run_inline(name: str, inline: bool) -> None:
-    from tensorwire.rpc.server import _never_suspends
-
-    assert _never_suspends(getattr(_Kinds(), name)) is inline
+def test_only_handlers_that_cannot_suspend_run_at_once(name: str, at_once: bool) -> None:
+    assert cannot_suspend(getattr(_Kinds(), name)) is at_once

@@ -1,0 +1,35 @@
+# The layout of DriverCore, for Cython modules that cimport it (the server's
+# dispatch posts every answer: a C call then, not a Python method call).
+# Described in _driver_core.pyx.
+
+cdef class DriverCore:
+    cdef public object conn
+    cdef public object loop
+    cdef public object error
+    cdef public bint reading_paused
+    cdef public double _last_seen
+    cdef public object _on_message
+    # Messages not yet handed to the transport, and the future of their
+    # senders (made when someone waits for them).
+    cdef public list _outbox
+    cdef public object _flushed
+    # Set while the transport writes a batch it could not take at once,
+    # with the future of that batch's senders.
+    cdef public object _writing
+    cdef public object _writing_flushed
+    cdef public object _turn
+    # Write a turn's first message at once (see post_frames()).
+    cdef public bint _eager
+    # Backpressure (see _sent): bytes posted and not yet written, those of
+    # them in the outbox, and the bound with its low-water mark.
+    cdef public Py_ssize_t _unsent
+    cdef public Py_ssize_t _outbox_bytes
+    cdef public Py_ssize_t _high_water
+    cdef public Py_ssize_t _low_water
+    # Set when reading resumes: senders that wait for the output to drain.
+    cdef public object _drained
+
+    cpdef Py_ssize_t post_frames(self, list frames) except -1
+    cdef void _pause_reading(self) except *
+    cpdef void _sent(self, Py_ssize_t nbytes) except *
+    cpdef void _flush(self) except *
