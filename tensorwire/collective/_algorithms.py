@@ -108,23 +108,22 @@ async def ring_reduce_scatter(links: Links, op: Op, flat: Flat, a: Any,
     ranks of ``ring`` (default: all, and position = rank)."""
     position, n, right, left = ring_of(links, ring)
     per = links.per_segment(flat)
-    scratch = flat.empty(min(per, max(hi - lo for lo, hi in bounds)))
+    with links.scratch.take(flat, min(per, max(hi - lo for lo, hi in bounds))) as scratch:
+        for index, plan in enumerate(schedule.ring_reduce_scatter(position, n)):
+            step = first_step + index
 
-    for index, plan in enumerate(schedule.ring_reduce_scatter(position, n)):
-        step = first_step + index
+            async def send(lo: int, hi: int, step: int = step) -> None:
+                for s_lo, s_hi in schedule.segments(lo, hi, per):
+                    await links.send(right, op, step, [flat.frame(a[s_lo:s_hi])])
 
-        async def send(lo: int, hi: int, step: int = step) -> None:
-            for s_lo, s_hi in schedule.segments(lo, hi, per):
-                await links.send(right, op, step, [flat.frame(a[s_lo:s_hi])])
+            async def receive(lo: int, hi: int, step: int = step) -> None:
+                for s_lo, s_hi in schedule.segments(lo, hi, per):
+                    part = scratch[: s_hi - s_lo]
+                    await links.recv(left, op, step, [flat.frame(part)])
+                    flat.reduce_into(reduce, a[s_lo:s_hi], part)
+                flat.sync()
 
-        async def receive(lo: int, hi: int, step: int = step) -> None:
-            for s_lo, s_hi in schedule.segments(lo, hi, per):
-                part = scratch[: s_hi - s_lo]
-                await links.recv(left, op, step, [flat.frame(part)])
-                flat.reduce_into(reduce, a[s_lo:s_hi], part)
-            flat.sync()
-
-        await run_all(send(*bounds[plan.send]), receive(*bounds[plan.recv]))
+            await run_all(send(*bounds[plan.send]), receive(*bounds[plan.recv]))
 
 
 async def ring_allgather(links: Links, op: Op, flat: Flat, a: Any,
@@ -162,17 +161,17 @@ async def doubling_allreduce(links: Links, op: Op, flat: Flat, a: Any, reduce: R
         await links.send(plan.fold_to, op, 0, whole)
         await links.recv(plan.fold_to, op, RETURN_STEP, whole)
         return
-    scratch = flat.empty(flat.size)
-    if plan.absorb is not None:
-        await links.recv(plan.absorb, op, 0, [flat.frame(scratch)])
-        flat.reduce_into(reduce, a, scratch)
-        flat.sync()
-    for step, partner in enumerate(plan.partners, start=1):
-        await links.exchange(op, step, partner, whole, partner, [flat.frame(scratch)])
-        # The lower rank's partial result first on both sides, so that
-        # both get the same bits (NaN signs, signed zeros), as promised.
-        flat.reduce_into(reduce, a, scratch, src_first=partner < links.rank)
-        flat.sync()
+    with links.scratch.take(flat, flat.size) as scratch:
+        if plan.absorb is not None:
+            await links.recv(plan.absorb, op, 0, [flat.frame(scratch)])
+            flat.reduce_into(reduce, a, scratch)
+            flat.sync()
+        for step, partner in enumerate(plan.partners, start=1):
+            await links.exchange(op, step, partner, whole, partner, [flat.frame(scratch)])
+            # The lower rank's partial result first on both sides, so that
+            # both get the same bits (NaN signs, signed zeros), as promised.
+            flat.reduce_into(reduce, a, scratch, src_first=partner < links.rank)
+            flat.sync()
     if reduce is ReduceOp.AVG:
         flat.divide(a, links.world_size)
         flat.sync()
@@ -185,11 +184,11 @@ async def tree_reduce(links: Links, op: Op, flat: Flat, a: Any, reduce: ReduceOp
     """Binomial-tree reduction of ``a`` into ``root``'s ``a``."""
     parent, children = schedule.binomial_tree(links.rank, links.world_size, root)
     if children:
-        scratch = flat.empty(flat.size)
-        for child in reversed(children):
-            await links.recv(child, op, 0, [flat.frame(scratch)])
-            flat.reduce_into(reduce, a, scratch)
-        flat.sync()
+        with links.scratch.take(flat, flat.size) as scratch:
+            for child in reversed(children):
+                await links.recv(child, op, 0, [flat.frame(scratch)])
+                flat.reduce_into(reduce, a, scratch)
+            flat.sync()
     if parent is not None:
         await links.send(parent, op, 0, [flat.frame(a)])
 
@@ -217,25 +216,25 @@ async def chain_reduce(links: Links, op: Op, flat: Flat, a: Any, reduce: ReduceO
     what ``source`` sends into ``a`` (through one segment of scratch) and
     pass the sum on to ``dest``."""
     per = links.per_segment(flat)
-    scratch = flat.empty(min(per, hi - lo)) if source is not None else None
     sending: asyncio.Future[None] | None = None
-    try:
-        for s_lo, s_hi in schedule.segments(lo, hi, per):
-            if scratch is not None and source is not None:
-                part = scratch[: s_hi - s_lo]
-                await links.recv(source, op, step, [flat.frame(part)])
-                flat.reduce_into(reduce, a[s_lo:s_hi], part)
-                flat.sync()
-            if dest is not None:
-                if sending is not None:
-                    await sending
-                sending = asyncio.ensure_future(
-                    links.send(dest, op, step, [flat.frame(a[s_lo:s_hi])]))
-        if sending is not None:
-            await sending
-    finally:
-        if sending is not None and not sending.done():
-            sending.cancel()
+    with links.scratch.take(flat, min(per, hi - lo) if source is not None else 0) as scratch:
+        try:
+            for s_lo, s_hi in schedule.segments(lo, hi, per):
+                if source is not None:
+                    part = scratch[: s_hi - s_lo]
+                    await links.recv(source, op, step, [flat.frame(part)])
+                    flat.reduce_into(reduce, a[s_lo:s_hi], part)
+                    flat.sync()
+                if dest is not None:
+                    if sending is not None:
+                        await sending
+                    sending = asyncio.ensure_future(
+                        links.send(dest, op, step, [flat.frame(a[s_lo:s_hi])]))
+            if sending is not None:
+                await sending
+        finally:
+            if sending is not None and not sending.done():
+                sending.cancel()
 
 
 async def fan_chain(links: Links, op: Op, flat: Flat, a: Any, previous: int | None,
