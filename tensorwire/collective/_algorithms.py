@@ -35,6 +35,7 @@ __all__ = (
     "hierarchical_allgather",
     "hierarchical_allreduce",
     "ring_allgather",
+    "ring_allreduce",
     "ring_of",
     "ring_reduce_scatter",
     "run_allgather",
@@ -108,23 +109,72 @@ async def ring_reduce_scatter(links: Links, op: Op, flat: Flat, a: Any,
     ranks of ``ring`` (default: all, and position = rank)."""
     position, n, right, left = ring_of(links, ring)
     per = links.per_segment(flat)
-    scratch = flat.empty(min(per, max(hi - lo for lo, hi in bounds)))
+    with links.scratch.take(flat, min(per, max(hi - lo for lo, hi in bounds))) as scratch:
+        for index, plan in enumerate(schedule.ring_reduce_scatter(position, n)):
+            step = first_step + index
 
-    for index, plan in enumerate(schedule.ring_reduce_scatter(position, n)):
-        step = first_step + index
+            async def send(lo: int, hi: int, step: int = step) -> None:
+                for s_lo, s_hi in schedule.segments(lo, hi, per):
+                    await links.send(right, op, step, [flat.frame(a[s_lo:s_hi])])
 
-        async def send(lo: int, hi: int, step: int = step) -> None:
-            for s_lo, s_hi in schedule.segments(lo, hi, per):
-                await links.send(right, op, step, [flat.frame(a[s_lo:s_hi])])
+            async def receive(lo: int, hi: int, step: int = step) -> None:
+                for s_lo, s_hi in schedule.segments(lo, hi, per):
+                    part = scratch[: s_hi - s_lo]
+                    await links.recv(left, op, step, [flat.frame(part)])
+                    flat.reduce_into(reduce, a[s_lo:s_hi], part)
+                flat.sync()
 
-        async def receive(lo: int, hi: int, step: int = step) -> None:
-            for s_lo, s_hi in schedule.segments(lo, hi, per):
-                part = scratch[: s_hi - s_lo]
-                await links.recv(left, op, step, [flat.frame(part)])
-                flat.reduce_into(reduce, a[s_lo:s_hi], part)
-            flat.sync()
+            await run_all(send(*bounds[plan.send]), receive(*bounds[plan.recv]))
 
-        await run_all(send(*bounds[plan.send]), receive(*bounds[plan.recv]))
+
+async def ring_allreduce(links: Links, op: Op, flat: Flat, a: Any,
+                         bounds: list[tuple[int, int]], reduce: ReduceOp,
+                         ring: Sequence[int] | None = None, first_step: int = 0) -> None:
+    """Allreduce ``a`` over the ranks of ``ring`` (default: all): the ring's
+    reduce-scatter and allgather as one pipeline of ``2 (n - 1)`` steps.
+
+    Each step forwards the block the step before received (Patarasuk and
+    Yuan's ring), so a segment goes on to the right as soon as it has landed
+    (and, in the reduce-scatter half, been reduced), while the next segment
+    arrives: the sender and the receiver never wait for a whole step, and
+    the allgather starts with the first reduced segment, not the last
+    (issue 25). ``ReduceOp.AVG`` divides each segment of this rank's block
+    by the group's size as the last reduce-scatter step reduces it, while it
+    is still in cache, rather than in a pass of its own.
+    """
+    position, n, right, left = ring_of(links, ring)
+    per = links.per_segment(flat)
+    steps = (*schedule.ring_reduce_scatter(position, n), *schedule.ring_allgather(position, n))
+    pieces = [schedule.segments(lo, hi, per) for lo, hi in bounds]
+    loop = asyncio.get_running_loop()
+    # landed[i][k]: segment k of the block received at step i is in ``a``,
+    # reduced; step i + 1 sends that block.
+    landed: list[list[asyncio.Future[None]]] = [
+        [loop.create_future() for _ in pieces[plan.recv]] for plan in steps]
+
+    async def sending() -> None:
+        for index, plan in enumerate(steps):
+            for k, (lo, hi) in enumerate(pieces[plan.send]):
+                if index:
+                    await landed[index - 1][k]
+                await links.send(right, op, first_step + index, [flat.frame(a[lo:hi])])
+
+    async def receiving(scratch: Any) -> None:
+        for index, plan in enumerate(steps):
+            reducing = index < n - 1
+            for k, (lo, hi) in enumerate(pieces[plan.recv]):
+                if reducing:
+                    part = scratch[: hi - lo]
+                    await links.recv(left, op, first_step + index, [flat.frame(part)])
+                    flat.reduce_into(reduce, a[lo:hi], part)
+                    if reduce is ReduceOp.AVG and index == n - 2:
+                        flat.divide(a[lo:hi], links.world_size)
+                else:
+                    await links.recv(left, op, first_step + index, [flat.frame(a[lo:hi])])
+                landed[index][k].set_result(None)
+
+    with links.scratch.take(flat, min(per, max(hi - lo for lo, hi in bounds))) as scratch:
+        await run_all(sending(), receiving(scratch))
 
 
 async def ring_allgather(links: Links, op: Op, flat: Flat, a: Any,
@@ -162,17 +212,17 @@ async def doubling_allreduce(links: Links, op: Op, flat: Flat, a: Any, reduce: R
         await links.send(plan.fold_to, op, 0, whole)
         await links.recv(plan.fold_to, op, RETURN_STEP, whole)
         return
-    scratch = flat.empty(flat.size)
-    if plan.absorb is not None:
-        await links.recv(plan.absorb, op, 0, [flat.frame(scratch)])
-        flat.reduce_into(reduce, a, scratch)
-        flat.sync()
-    for step, partner in enumerate(plan.partners, start=1):
-        await links.exchange(op, step, partner, whole, partner, [flat.frame(scratch)])
-        # The lower rank's partial result first on both sides, so that
-        # both get the same bits (NaN signs, signed zeros), as promised.
-        flat.reduce_into(reduce, a, scratch, src_first=partner < links.rank)
-        flat.sync()
+    with links.scratch.take(flat, flat.size) as scratch:
+        if plan.absorb is not None:
+            await links.recv(plan.absorb, op, 0, [flat.frame(scratch)])
+            flat.reduce_into(reduce, a, scratch)
+            flat.sync()
+        for step, partner in enumerate(plan.partners, start=1):
+            await links.exchange(op, step, partner, whole, partner, [flat.frame(scratch)])
+            # The lower rank's partial result first on both sides, so that
+            # both get the same bits (NaN signs, signed zeros), as promised.
+            flat.reduce_into(reduce, a, scratch, src_first=partner < links.rank)
+            flat.sync()
     if reduce is ReduceOp.AVG:
         flat.divide(a, links.world_size)
         flat.sync()
@@ -185,11 +235,11 @@ async def tree_reduce(links: Links, op: Op, flat: Flat, a: Any, reduce: ReduceOp
     """Binomial-tree reduction of ``a`` into ``root``'s ``a``."""
     parent, children = schedule.binomial_tree(links.rank, links.world_size, root)
     if children:
-        scratch = flat.empty(flat.size)
-        for child in reversed(children):
-            await links.recv(child, op, 0, [flat.frame(scratch)])
-            flat.reduce_into(reduce, a, scratch)
-        flat.sync()
+        with links.scratch.take(flat, flat.size) as scratch:
+            for child in reversed(children):
+                await links.recv(child, op, 0, [flat.frame(scratch)])
+                flat.reduce_into(reduce, a, scratch)
+            flat.sync()
     if parent is not None:
         await links.send(parent, op, 0, [flat.frame(a)])
 
@@ -217,25 +267,25 @@ async def chain_reduce(links: Links, op: Op, flat: Flat, a: Any, reduce: ReduceO
     what ``source`` sends into ``a`` (through one segment of scratch) and
     pass the sum on to ``dest``."""
     per = links.per_segment(flat)
-    scratch = flat.empty(min(per, hi - lo)) if source is not None else None
     sending: asyncio.Future[None] | None = None
-    try:
-        for s_lo, s_hi in schedule.segments(lo, hi, per):
-            if scratch is not None and source is not None:
-                part = scratch[: s_hi - s_lo]
-                await links.recv(source, op, step, [flat.frame(part)])
-                flat.reduce_into(reduce, a[s_lo:s_hi], part)
-                flat.sync()
-            if dest is not None:
-                if sending is not None:
-                    await sending
-                sending = asyncio.ensure_future(
-                    links.send(dest, op, step, [flat.frame(a[s_lo:s_hi])]))
-        if sending is not None:
-            await sending
-    finally:
-        if sending is not None and not sending.done():
-            sending.cancel()
+    with links.scratch.take(flat, min(per, hi - lo) if source is not None else 0) as scratch:
+        try:
+            for s_lo, s_hi in schedule.segments(lo, hi, per):
+                if source is not None:
+                    part = scratch[: s_hi - s_lo]
+                    await links.recv(source, op, step, [flat.frame(part)])
+                    flat.reduce_into(reduce, a[s_lo:s_hi], part)
+                    flat.sync()
+                if dest is not None:
+                    if sending is not None:
+                        await sending
+                    sending = asyncio.ensure_future(
+                        links.send(dest, op, step, [flat.frame(a[s_lo:s_hi])]))
+            if sending is not None:
+                await sending
+        finally:
+            if sending is not None and not sending.done():
+                sending.cancel()
 
 
 async def fan_chain(links: Links, op: Op, flat: Flat, a: Any, previous: int | None,
@@ -298,15 +348,12 @@ async def hierarchical_allreduce(links: Links, op: Op, flat: Flat, a: Any, reduc
             await reduced.get()
             bounds = [(lo + b_lo, lo + b_hi) for b_lo, b_hi in schedule.split(hi - lo, h)]
             if h > 1:
-                await ring_reduce_scatter(links, op, flat, a, bounds, reduce, plan.ring,
-                                                c * stride + 1)
-            if reduce is ReduceOp.AVG:
-                b_lo, b_hi = bounds[plan.position]
-                flat.divide(a[b_lo:b_hi], links.world_size)
-                flat.sync()
-            if h > 1:
-                await ring_allgather(links, op, flat, a, [[b] for b in bounds],
-                                           c * stride + h, plan.ring)
+                # Steps c * stride + 1 .. c * stride + 2 (h - 1): the ring's
+                # reduce-scatter, then its allgather.
+                await ring_allreduce(links, op, flat, a, bounds, reduce, plan.ring,
+                                     c * stride + 1)
+            elif reduce is ReduceOp.AVG:
+                flat.divide(a[lo:hi], links.world_size)
             finished.put_nowait(None)
 
     async def broadcasting() -> None:
@@ -354,13 +401,7 @@ async def allreduce_flat(links: Links, o: Op, flat: Flat, reduce: ReduceOp, larg
     if hier is not None:
         await hierarchical_allreduce(links, o, flat, a, reduce, hier)
     elif large and flat.size >= n:
-        bounds = schedule.split(flat.size, n)
-        await ring_reduce_scatter(links, o, flat, a, bounds, reduce)
-        if reduce is ReduceOp.AVG:
-            lo, hi = bounds[links.rank]
-            flat.divide(a[lo:hi], n)
-            flat.sync()
-        await ring_allgather(links, o, flat, a, [[b] for b in bounds], n)
+        await ring_allreduce(links, o, flat, a, schedule.split(flat.size, n), reduce)
     else:
         await doubling_allreduce(links, o, flat, a, reduce)
 

@@ -11,7 +11,8 @@ misread.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+import contextlib
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from ._arrays import Flat
 from ._oplog import HEAD, Op, OpLog
 from ._runtime import Runtime
 
-__all__ = ("Links", "nbytes", "run_all", "settle")
+__all__ = ("Links", "ScratchPool", "nbytes", "run_all", "settle")
 
 #: A message this small fits the socket buffers of any peer, so sending it
 #: before receiving cannot deadlock and needs no task of its own.
@@ -78,11 +79,51 @@ def settle(mine: Sequence[Any], landed: Sequence[Any]) -> None:
             np.asarray(dst).reshape(-1)[...] = np.asarray(src).reshape(-1)
 
 
+class ScratchPool:
+    """Receive buffers kept from one operation for the next.
+
+    A training loop reduces the same buckets step after step; a fresh
+    segment of scratch per operation is a fresh ``mmap`` whose pages fault
+    in while the data lands (issue 25). The pool keeps up to ``keep``
+    buffers per device of at most ``limit`` bytes each, as raw bytes, and
+    hands each out to one user at a time (the phases of a hierarchical
+    allreduce need scratch at once), viewed as the caller's dtype.
+    """
+
+    def __init__(self, limit: int, keep: int = 4) -> None:
+        self.limit = limit
+        self.keep = keep
+        self._free: dict[str, list[Any]] = {}
+
+    @contextlib.contextmanager
+    def take(self, flat: Flat, count: int) -> Iterator[Any]:
+        """A flat array of ``count`` items of ``flat``'s dtype on its device.
+
+        Its contents are undefined. It goes back to the pool when the block
+        ends normally; after an exception it is dropped, since a transport
+        cut off part-way may still write to it.
+        """
+        nbytes = count * flat.itemsize
+        free = self._free.setdefault(flat.device, [])
+        # By index, not list.remove: arrays compare element-wise.
+        fits = [i for i, b in enumerate(free) if b.nbytes >= nbytes]
+        if fits:
+            buffer = free.pop(min(fits, key=lambda i: free[i].nbytes))
+        else:
+            buffer = flat.xp.empty(nbytes, dtype=flat.xp.uint8)
+        yield buffer[:nbytes].view(flat.dtype)
+        if 0 < buffer.nbytes <= self.limit:
+            free.append(buffer)
+            free.sort(key=lambda b: -b.nbytes)
+            del free[self.keep:]  # the smallest go
+
+
 class Links:
     """This rank's connections to the other ranks of one group.
 
     Attributes:
         peers: the connection to each other rank (the higher rank dials).
+        scratch: receive buffers reused across operations.
     """
 
     def __init__(self, log: OpLog) -> None:
@@ -93,6 +134,7 @@ class Links:
         self.id = log.id
         self._members = log.members
         self.peers: dict[int, Connection] = {}
+        self.scratch = ScratchPool(max(self.config.segment_bytes, self.config.small_bytes))
 
     async def connect(self, runtime: Runtime) -> None:
         """Open a data connection to every other rank (the higher rank dials).

@@ -106,6 +106,69 @@ async def test_a_large_allreduce_does_not_copy_its_payload() -> None:
         await server.close(grace=0)
 
 
+#: Segments of 1024 float32 (the smallest allowed), so that the blocks
+#: below travel in several segments, the last one short.
+SEGMENTED = GroupConfig(timeout=20, rendezvous_timeout=20, small_bytes=4 << 10,
+                        segment_bytes=4 << 10)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+async def test_pipelined_ring_allreduce_equals_numpy_on_uneven_blocks(n: int) -> None:
+    # Sizes that no world size divides: the blocks differ by one item, each
+    # block is several segments and the last segment of each is short, and
+    # (n - 1) steps of each half pass them on. Issue 25.
+    groups, server = await make_groups(n, config=SEGMENTED)
+    try:
+        for size, dtype, op in [(5003, np.float32, ReduceOp.SUM),
+                                (7919, np.float64, ReduceOp.AVG),
+                                (4099, np.int64, ReduceOp.SUM),
+                                (n, np.float32, ReduceOp.AVG)]:
+            rng = np.random.default_rng(size + n)
+            xs = [rng.integers(-1000, 1000, size).astype(dtype) for _ in groups]
+            want = np.sum(xs, axis=0) if op is ReduceOp.SUM else np.mean(xs, axis=0)
+            await asyncio.gather(*(g.allreduce(x, op, algorithm="ring")
+                                   for g, x in zip(groups, xs, strict=True)))
+            for x in xs:
+                np.testing.assert_allclose(x, want, rtol=1e-6)
+                # Every rank ends with the same bits: the allgather copies.
+                assert x.tobytes() == xs[0].tobytes()
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+        await server.close(grace=0)
+
+
+async def test_pooled_scratch_survives_operations_of_other_sizes_and_dtypes() -> None:
+    # One scratch buffer serves consecutive operations of every size and
+    # dtype (ring, recursive doubling, tree reduce); none may see another's
+    # leftovers, and the pool must keep reusing, not grow. Issue 25.
+    groups, server = await make_groups(3, config=SEGMENTED)
+    pools = [g._links.scratch for g in groups]
+    try:
+        plan = [(9001, np.float32, "allreduce"), (37, np.float64, "allreduce"),
+                (2500, np.int16, "allreduce"), (6001, np.float64, "reduce"),
+                (9001, np.float32, "allreduce"), (513, np.float16, "allreduce"),
+                (1, np.int32, "allreduce")]
+        kept: list[set[int]] = []
+        for round_, (size, dtype, what) in enumerate(plan * 2):
+            xs = [np.full(size, g.rank + 1 + round_, dtype) for g in groups]
+            want = np.sum(xs, axis=0, dtype=dtype)
+            if what == "allreduce":
+                await asyncio.gather(*(g.allreduce(x) for g, x in zip(groups, xs, strict=True)))
+                for x in xs:
+                    np.testing.assert_array_equal(x, want)
+            else:
+                await asyncio.gather(*(g.reduce(x, root=1, algorithm="tree")
+                                       for g, x in zip(groups, xs, strict=True)))
+                np.testing.assert_array_equal(xs[1], want)
+            kept.append({id(b) for pool in pools for b in pool._free["cpu"]})
+            assert all(len(pool._free["cpu"]) <= pool.keep for pool in pools)
+        # The second pass over the plan allocates nothing new.
+        assert set.union(*kept[len(plan):]) <= set.union(*kept[:len(plan)])
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+        await server.close(grace=0)
+
+
 async def test_bad_arguments_are_refused_before_anything_is_sent(trio: list[Group]) -> None:
     group = trio[0]
     with pytest.raises(InvalidArgument, match="NumPy array"):
