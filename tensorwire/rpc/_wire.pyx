@@ -79,14 +79,16 @@ cdef inline void _put_u16(uint8_t* p, uint16_t value) noexcept:
     p[1] = value >> 8
 
 
+# The low half of a value by a C cast, not a mask: a literal as wide as
+# 0xFFFFFFFF is a Python int to Cython, and the masking then boxes the value.
 cdef inline void _put_u32(uint8_t* p, uint32_t value) noexcept:
-    _put_u16(p, value & 0xFFFF)
-    _put_u16(p + 2, value >> 16)
+    _put_u16(p, <uint16_t>value)
+    _put_u16(p + 2, <uint16_t>(value >> 16))
 
 
 cdef inline void _put_u64(uint8_t* p, uint64_t value) noexcept:
-    _put_u32(p, value & 0xFFFFFFFF)
-    _put_u32(p + 4, value >> 32)
+    _put_u32(p, <uint32_t>value)
+    _put_u32(p + 4, <uint32_t>(value >> 32))
 
 
 cdef inline double _f64(const uint8_t* p) noexcept:
