@@ -251,5 +251,4 @@ cdef class ClientCore:
         """The frames of a request's value ``[args, kwargs]``."""
         # A list, not the tuple: msgpack packs a list in C, a tuple through
         # a Python callback (the server takes either).
-        header, buffers = self._encoder.encode_nested([list(args), kwargs])
-        return [header, *buffers]
+        return self._encode([list(args), kwargs])
