@@ -46,18 +46,22 @@ async def _calls_in_one_process(kind: str, calls: int) -> None:
 def instructions_per_call(kind: str) -> float | str:
     """Instructions per tiny call of ``kind`` ("rpc" or "floor"), client and
     server together; or why it could not be counted."""
+    import os
     import shutil
     import subprocess
 
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         return "valgrind is not installed"
+    # numpy's BLAS and OpenMP thread pools would start threads of their own,
+    # whose spinning adds to the count a varying amount: one thread each.
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     totals = []
     for calls in COUNT_RUNS:
         run = subprocess.run(
             [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
              str(_SCRIPT), "--count-calls", kind, str(calls)],
-            capture_output=True, text=True, timeout=900)
+            capture_output=True, text=True, timeout=900, env=env)
         found = [line for line in run.stderr.splitlines() if "Collected :" in line]
         if run.returncode != 0 or not found:
             return f"callgrind failed (exit {run.returncode}): {run.stderr[-300:]}"

@@ -5,31 +5,46 @@ resolves it, and the calls' deadlines on one loop timer.
 
 A plain unary call is a ``UnaryCall`` here: its future, resolved with
 ``(message, nbytes)``, and its ``CallState`` (``_calls``), which every
-message of the call goes through. Any other waiter (a stream's record, see
-``_streams.CallStreams``) has a ``future`` and a ``fail(error)`` and gets its
-messages from the session's ``on_other``, as does every message that
-belongs to no unary call.
+message of the call goes through. The client's ``_call`` starts one
+(``CallsInFlight.start``), awaits its future and ends it
+(``CallsInFlight.end``): C calls, no coroutine of their own. Any other
+waiter (a stream's record, see ``_streams.CallStreams``) has a ``future``
+and a ``fail(error)`` and gets its messages from the session's
+``on_other``, as does every message that belongs to no unary call.
+
+A client cannot know whether a method it calls unary streams its result
+(docs/protocol.md, "Flow control"): the first unary call of each method on
+a connection asks for a stream of one item (``UnaryCall.probing``: a
+CREDIT of 1 after its REQUEST). A unary method drops the credit and
+answers RESPONSE, and its later calls ask for nothing; a streaming method
+sends its first ITEM (or its END), which ends the call here with
+``Unimplemented`` and a CANCEL, instead of a wait for a RESPONSE that never
+comes.
 """
 
 cimport cython
 
+from .._counters cimport MethodMetrics
 from ._calls cimport CallState
+from ._wire cimport encode_request
 
 import asyncio
 from heapq import heapify, heappop, heappush
 
 from ..errors import DeadlineExceeded, Unavailable
 from . import protocol
-from ._calls import CLIENT, EXPIRED
-from ._wire import encode_request
+from ._calls import CLIENT, EXPIRED, RESPONDED
 
 cdef object _Response = protocol.Response
 cdef int _CLIENT = CLIENT
 cdef int _EXPIRED = EXPIRED
+cdef int _RESPONDED = RESPONDED
 cdef int _REQUEST = protocol.Kind.REQUEST
 cdef int _RESPONSE = protocol.Kind.RESPONSE
 cdef int _CANCEL = protocol.Kind.CANCEL
+cdef int _CREDIT = protocol.Kind.CREDIT
 cdef object _Cancel = protocol.Cancel
+cdef object _Credit = protocol.Credit
 cdef object _CancelledError = asyncio.CancelledError
 cdef object _timeout_at = asyncio.timeout_at
 
@@ -49,17 +64,21 @@ cdef inline void _fail(object future, object error) except *:
 cdef class UnaryCall:
     """A plain unary call in flight: its future and its state."""
 
-    cdef readonly object future
-    cdef readonly CallState state
+    # Its fields are declared in _calls_in_flight.pxd: future, state,
+    # call_id, probing.
 
-    def __init__(self, future):
+    def __init__(self, future, bint probing=False):
         self.future = future
-        self.state = CallState(_CLIENT)
+        # A probing call asks for a stream of one item (see the module).
+        self.state = CallState(_CLIENT, False, True, 1) if probing else CallState(_CLIENT)
+        self.probing = probing
 
     cdef void deliver(self, object message, Py_ssize_t nbytes) except *:
         """A message of this call from the server; the state machine says
         whether it ends the wait (a message after the call's end is dropped,
-        one the server may not send is a ProtocolError)."""
+        one the server may not send is a ProtocolError). A probing call's
+        wait ends with the stream's first ITEM or END too: its caller
+        reports the mismatch."""
         cdef int kind = _RESPONSE if type(message) is _Response else message.kind
         if self.state.receive(kind) and not self.future.done():
             self.future.set_result((message, nbytes))
@@ -73,18 +92,11 @@ cdef class UnaryCall:
 cdef class CallsInFlight:
     """The calls in flight on one client connection (see the module)."""
 
-    cdef readonly dict pending
-    cdef object _loop
-    cdef object _on_other
-    cdef unsigned long long _last_id
-    # Deadlines as a heap of (when, call id), with one loop timer for the
-    # earliest instead of one per call (a timer costs several times a heap
-    # push). Entries of calls that ended stay until the heap grows past
-    # _compact_at.
-    cdef readonly list deadlines
-    cdef Py_ssize_t _compact_at
-    cdef double _timer_at
-    cdef object _timer
+    # Its fields are declared in _calls_in_flight.pxd. Deadlines are a heap
+    # of (when, call id), with one loop timer for the earliest instead of
+    # one per call (a timer costs several times a heap push); entries of
+    # calls that ended stay until the heap grows past _compact_at. _unary:
+    # the methods that answered a probing call with RESPONSE.
 
     def __init__(self, loop, on_other):
         self.pending = {}
@@ -93,6 +105,7 @@ cdef class CallsInFlight:
         self.deadlines = []
         self._compact_at = 64
         self._timer_at = float("inf")
+        self._unary = set()
 
     cpdef unsigned long long add(self, object waiter, double expires) except? 0:
         """Register ``waiter`` under a new call id, to fail with TimeoutError
@@ -107,12 +120,12 @@ cdef class CallsInFlight:
             self._arm(expires)
         return call_id
 
-    cpdef unsigned long long request(self, object driver, str method, double deadline,
-                                     int stream_arg, list payload, object waiter,
-                                     object metrics, double grace) except? 0:
+    cdef unsigned long long request(self, object driver, str method, double deadline,
+                                    double now, int stream_arg, list payload, object waiter,
+                                    MethodMetrics metrics, double grace) except? 0:
         """Register ``waiter`` and post the call's REQUEST with the time
-        left until ``deadline`` (loop time); the waiter fails at
-        ``deadline + grace``. Returns the call id.
+        left until ``deadline`` (loop time; ``now`` is the loop time); the
+        waiter fails at ``deadline + grace``. Returns the call id.
 
         Raises:
             DeadlineExceeded: no time is left (the call is not sent: a
@@ -120,11 +133,9 @@ cdef class CallsInFlight:
                 after the deadline).
             Unavailable: the connection is gone.
         """
-        cdef double remaining = deadline - self._loop.time()
+        cdef double remaining = deadline - now
         if remaining <= 0.0:
             raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent")
-        if type(waiter) is UnaryCall:
-            (<UnaryCall>waiter).state.send(_REQUEST)
         cdef unsigned long long call_id = self.add(waiter, deadline + grace)
         try:
             metrics.bytes_out += driver.post_frames(encode_request(
@@ -134,42 +145,63 @@ cdef class CallsInFlight:
             raise
         return call_id
 
-    async def call(self, driver, str method, double deadline, int stream_arg, list payload,
-                   object metrics, double grace, object waiter=None, object on_sent=None):
-        """One unary call: its REQUEST posted, its answer awaited; returns
-        ``(message, nbytes)``. The caller holds the call's slot. A streamed
-        argument comes with its ``waiter`` (a stream's record) and
-        ``on_sent(call_id)``, which starts the task that sends its items.
+    cdef UnaryCall start(self, object driver, str method, double deadline, double now,
+                         list payload, MethodMetrics metrics, double grace):
+        """A unary call without a streamed argument, its REQUEST posted (see
+        ``request``); the caller holds its slot, awaits its ``future``
+        (``(message, nbytes)``) and then calls ``end``, however the wait
+        ended.
 
         The request is queued without waiting: the answer cannot come
         before it has gone. A call that ends early (deadline, cancel) may
         leave its request still going out, so its arguments must stay
         unchanged until then, as with any send cut short.
 
+        The future fails with TimeoutError at ``deadline + grace``: the
+        server enforces the same deadline, and waiting a moment longer
+        lets its DEADLINE_EXCEEDED, which says where the time went, arrive
+        first. It fails with Unavailable when the connection is lost.
+
         Raises:
             DeadlineExceeded: the deadline passed before the call was sent.
-            TimeoutError: it passed while the call waited for its answer
-                (at ``deadline + grace``: the server enforces the same
-                deadline, and waiting a moment longer lets its
-                DEADLINE_EXCEEDED, which says where the time went, arrive
-                first).
-            Unavailable: the connection is gone (or ``driver`` is None: it
-                never was).
+            Unavailable: the connection is gone.
         """
-        if driver is None:
-            raise Unavailable("not connected")
-        if driver.reading_paused:
-            await until_drained(driver, deadline, method)
-        if waiter is None:
-            waiter = UnaryCall(self._loop.create_future())
-        future = waiter.future
-        call_id = self.request(driver, method, deadline, stream_arg, payload, waiter, metrics,
-                               grace)
+        cdef UnaryCall call = UnaryCall(self._loop.create_future(), method not in self._unary)
+        call.state.send(_REQUEST)
+        call.call_id = self.request(driver, method, deadline, now, -1, payload, call, metrics,
+                                    grace)
+        if call.probing:
+            call.state.send(_CREDIT, 1)
+            driver.send_soon(_Credit(call.call_id, 1))
+        return call
+
+    cdef void end(self, object driver, UnaryCall call, str method) except *:
+        """``call`` (from ``start``) is over for its caller: the server
+        stops its handler (CANCEL) unless the call is over for it already,
+        and a probing call's RESPONSE says that ``method`` is unary."""
+        self._cancel_remote(driver, call.call_id, call)
+        self.pending.pop(call.call_id, None)
+        if call.probing and call.state.outcome == _RESPONDED:
+            self._unary.add(method)
+
+    async def call_streaming(self, driver, str method, double deadline, int stream_arg,
+                             list payload, MethodMetrics metrics, double grace, waiter,
+                             on_sent):
+        """A unary call with a streamed argument: ``start``, its answer
+        awaited and ``end`` for ``waiter`` (its streams), and
+        ``on_sent(call_id)``, which starts the task that sends the
+        argument's items; returns ``(message, nbytes)``. The caller holds
+        the call's slot.
+
+        Raises:
+            as ``start``, and TimeoutError and Unavailable from the wait.
+        """
+        call_id = self.request(driver, method, deadline, self._loop.time(), stream_arg, payload,
+                               waiter, metrics, grace)
         pump = None
         try:
-            if on_sent is not None:
-                pump = on_sent(call_id)
-            return await future
+            pump = on_sent(call_id)
+            return await waiter.future
         except BaseException:
             self._cancel_remote(driver, call_id, waiter)
             raise

@@ -2,10 +2,14 @@
 """The unary call of the RPC client, compiled: ``ClientCore._call`` and what
 it asks on every call (its deadline, the connected session, the encoded
 arguments and their streamed one, the result of the answer), each without
-a Python frame. ``Client`` (client.py) is ``ClientCore`` with the API.
+a Python frame. ``Client`` (client.py) is ``ClientCore`` with the API;
+``client._ClientSession`` is ``SessionCore`` (one connection as a call
+reads it) with opening the connection and its message handlers.
 """
 
-from .._counters cimport record_call
+from .._counters cimport MethodMetrics, record_call
+from ._calls_in_flight cimport CallsInFlight, UnaryCall
+from ._slots cimport Slots
 
 import asyncio
 import collections.abc
@@ -13,7 +17,14 @@ import logging
 import math
 import time
 
-from ..errors import ConfigError, DeadlineExceeded, ProtocolError, RemoteError, Unavailable
+from ..errors import (
+    ConfigError,
+    DeadlineExceeded,
+    ProtocolError,
+    RemoteError,
+    Unavailable,
+    Unimplemented,
+)
 from . import protocol
 from ._calls_in_flight import LONGEST
 
@@ -25,6 +36,8 @@ cdef double DEADLINE_GRACE = 0.05
 cdef double _LONGEST = LONGEST
 cdef object _Response = protocol.Response
 cdef object _Error = protocol.Error
+cdef object _Item = protocol.Item
+cdef object _End = protocol.End
 cdef object _AsyncIterable = collections.abc.AsyncIterable
 cdef object _get_running_loop = asyncio.get_running_loop
 cdef object _perf_counter = time.perf_counter
@@ -64,49 +77,99 @@ def remote_error(message):
 
 
 def unexpected_answer(message, str method):
-    """What a unary call raises for an answer that is not a RESPONSE."""
+    """What a unary call raises for an answer that is not a RESPONSE: the
+    ERROR's, or for the ITEM or END of a method that streams its result
+    ``Unimplemented`` (see ``_calls_in_flight``, probing calls)."""
     if isinstance(message, _Error):
         return remote_error(message)
+    if isinstance(message, (_Item, _End)):
+        return Unimplemented(f"{method} streams its result: call it with stream(), not call()")
     return ProtocolError(f"unexpected {message.kind.name} for unary call {method}")
+
+
+cdef class SessionCore:
+    """One connection of a client, as every call reads it: its loop, its
+    driver, its call slots and its calls in flight (C fields).
+    ``client._ClientSession`` adds opening it and its message handlers."""
+
+    # Its fields are declared in _client_core.pxd: loop, driver, slots,
+    # calls, error.
+
+    @property
+    def alive(self):
+        """Connected, and the connection not closed."""
+        return self.connected()
+
+    cdef bint connected(self):
+        return self.driver is not None and self.driver.error is None
+
+    cpdef bint take_slot(self):
+        """Take a call slot, if a call can start at once: one is free and
+        the output to the server is under its bound."""
+        return not self.driver.reading_paused and self.slots.try_acquire()
+
+    cdef UnaryCall start(self, str method, double deadline, double now, list payload,
+                         MethodMetrics metrics):
+        """A unary call (no streamed argument) in flight, its REQUEST
+        posted (``CallsInFlight.start``), in a slot this session gave the
+        caller; the slot goes back if the call cannot start."""
+        try:
+            return self.calls.start(self.driver, method, deadline, now, payload, metrics,
+                                    DEADLINE_GRACE)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    cdef void end(self, UnaryCall call, str method) except *:
+        """``call`` is over for its caller (``CallsInFlight.end``): its
+        slot goes back."""
+        try:
+            self.calls.end(self.driver, call, method)
+        finally:
+            self.slots.release()
 
 
 cdef class ClientCore:
     """The client's state that every call reads, and its per-call helpers."""
 
-    cdef public object config
-    cdef public object _session
-    # The client's own codec (it runs on one event loop's thread): a call
-    # each way less than serde's per-thread functions.
-    cdef public object _encoder
-    cdef public object _decoder
-    cdef public object _metrics
+    # Its fields are declared in _client_core.pxd: config, _session,
+    # _encoder, _decoder, _metrics.
 
     async def _call(self, str method, object timeout, bint idempotent, *args, **kwargs):
         """``call``, with its options by position: a typed proxy's method is
         this with them bound (``functools.partial``: no Python frame of its
-        own, no keyword dict built for the options on every call). One
-        compiled coroutine from the call to its answer."""
-        cdef double deadline = self._deadline(timeout)
+        own, no keyword dict built for the options on every call). The one
+        coroutine from the call to its answer: the call in flight starts
+        and ends by C calls (``CallsInFlight.start`` and ``end``)."""
         args, source, stream_arg = split_stream(args)
         payload = self._encode_arguments(args, kwargs)
-        metrics = self._metrics[method]
+        cdef MethodMetrics metrics = self._metrics[method]
         cdef bint retry = idempotent and source is None  # once, after losing the connection
         cdef double started = _perf_counter()
+        cdef double now = self._now()
+        cdef double deadline = now + self._timeout(timeout)
+        cdef SessionCore session
+        cdef UnaryCall call
         cdef bint error = True
         try:
             while True:
-                session = self._connected() or await self._ready_by(deadline, method)
+                session = self._connected()
+                if session is None:
+                    session = await self._ready_by(deadline, method)
+                    now = session.loop.time()  # it waited
                 try:
-                    if not session.slots.try_acquire():
-                        await session.acquire_slot(deadline)
-                    try:
-                        waiter, on_sent = (None, None) if source is None else \
-                            self._streaming_argument(session, method, source, metrics)
-                        message, nbytes = await session.calls.call(
-                            session.driver, method, deadline, stream_arg, payload, metrics,
-                            DEADLINE_GRACE, waiter, on_sent)
-                    finally:
-                        session.slots.release()
+                    if not session.take_slot():
+                        await session.wait_for_slot(deadline, method)
+                        now = session.loop.time()  # it waited
+                    if source is not None:
+                        message, nbytes = await self._call_streaming(
+                            session, method, deadline, stream_arg, payload, metrics, source)
+                    else:
+                        call = session.start(method, deadline, now, payload, metrics)
+                        try:
+                            message, nbytes = await call.future
+                        finally:
+                            session.end(call, method)
                 except Unavailable:
                     if not retry:
                         raise
@@ -123,32 +186,53 @@ cdef class ClientCore:
         finally:
             record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
 
+    async def _call_streaming(self, SessionCore session, str method, double deadline,
+                              int stream_arg, list payload, MethodMetrics metrics, source):
+        """``_call``'s unary call with a streamed argument (``source``), in
+        a slot the session gave it, to the answer ``(message, nbytes)``;
+        the slot goes back. Rarer than a plain call: a coroutine of its
+        own, which sends the items meanwhile."""
+        try:
+            waiter, on_sent = self._streaming_argument(session, method, source, metrics)
+            return await session.calls.call_streaming(
+                session.driver, method, deadline, stream_arg, payload, metrics, DEADLINE_GRACE,
+                waiter, on_sent)
+        finally:
+            session.slots.release()
+
     cpdef double _deadline(self, object timeout) except? -1.0:
         """The loop time by which a call with ``timeout`` must end.
 
         Raises:
             ConfigError: the timeout is not a number of seconds (NaN).
         """
-        session = self._session
-        # The session's loop when connected: get_running_loop() asks the OS
-        # for the pid on every call on Python 3.11.
-        loop = session.loop if session is not None else _get_running_loop()
-        cdef double remaining = self.config.timeout if timeout is None else timeout
-        if not 0.0 < remaining < _LONGEST:
-            remaining = sendable(remaining)
-        return loop.time() + remaining
+        return self._now() + self._timeout(timeout)
 
-    cpdef object _connected(self):
+    cdef double _now(self) except? -1.0:
+        """The loop time: the session's loop's when connected, since
+        get_running_loop() asks the OS for the pid on every call on Python
+        3.11."""
+        session = self._session
+        return (session.loop if session is not None else _get_running_loop()).time()
+
+    cdef double _timeout(self, object timeout) except? -1.0:
+        """A call's ``timeout`` (None: the configured one), as its request
+        can carry it (see ``sendable``)."""
+        cdef double seconds = self.config.timeout if timeout is None else timeout
+        return seconds if 0.0 < seconds < _LONGEST else sendable(seconds)
+
+    cdef SessionCore _connected(self):
         """The session, when it is connected (a call need not wait)."""
         session = self._session
-        return session if session is not None and session.alive else None
+        return session if session is not None and session.connected() else None
 
     cpdef list _encode(self, object value):
         """The frames of ``value``."""
         header, buffers = self._encoder.encode(value)
         return [header, *buffers]
 
-    cpdef object _result(self, object message, Py_ssize_t nbytes, object metrics, str method):
+    cpdef object _result(self, object message, Py_ssize_t nbytes, MethodMetrics metrics,
+                         str method):
         """A unary call's result, from its answer.
 
         Raises:
@@ -167,5 +251,4 @@ cdef class ClientCore:
         """The frames of a request's value ``[args, kwargs]``."""
         # A list, not the tuple: msgpack packs a list in C, a tuple through
         # a Python callback (the server takes either).
-        header, buffers = self._encoder.encode_nested([list(args), kwargs])
-        return [header, *buffers]
+        return self._encode([list(args), kwargs])

@@ -16,9 +16,7 @@ cdef class Slots:
     one C call, which matters on a path run for every call.
     """
 
-    cdef public Py_ssize_t free
-    cdef object _loop
-    cdef readonly object waiters
+    # Its fields are declared in _slots.pxd: free, _loop, waiters.
 
     def __init__(self, Py_ssize_t count, loop):
         self.free = count

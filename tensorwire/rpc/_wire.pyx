@@ -33,14 +33,16 @@ cdef enum:
     KIND_RESPONSE = 11
     KIND_ITEM = 14
     HAS_TIMEOUT = 1
+    COPY_MAX = 4096
 
 REQUEST = KIND_REQUEST
 RESPONSE = KIND_RESPONSE
 ITEM = KIND_ITEM
-#: A bytearray frame up to this size gives its value header as a copy (a
-#: small bytearray costs less than a memoryview); larger frames, and frames
-#: of any other type, as a zero-copy memoryview.
-SLICE_MAX = 4096
+#: A bytes or bytearray frame up to this size gives its value header as a
+#: bytes copy (copying a small header costs less than a memoryview, or a
+#: bytearray slice, and the decoder reads bytes without a buffer request);
+#: larger frames, and frames of any other type, as a zero-copy memoryview.
+SLICE_MAX = COPY_MAX
 #: A REQUEST's timeout is below this many seconds (about 31 years).
 MAX_TIMEOUT = 10.0 ** 9
 cdef double _MAX_TIMEOUT = MAX_TIMEOUT
@@ -79,14 +81,16 @@ cdef inline void _put_u16(uint8_t* p, uint16_t value) noexcept:
     p[1] = value >> 8
 
 
+# The low half of a value by a C cast, not a mask: a literal as wide as
+# 0xFFFFFFFF is a Python int to Cython, and the masking then boxes the value.
 cdef inline void _put_u32(uint8_t* p, uint32_t value) noexcept:
-    _put_u16(p, value & 0xFFFF)
-    _put_u16(p + 2, value >> 16)
+    _put_u16(p, <uint16_t>value)
+    _put_u16(p + 2, <uint16_t>(value >> 16))
 
 
 cdef inline void _put_u64(uint8_t* p, uint64_t value) noexcept:
-    _put_u32(p, value & 0xFFFFFFFF)
-    _put_u32(p + 4, value >> 32)
+    _put_u32(p, <uint32_t>value)
+    _put_u32(p + 4, <uint32_t>(value >> 32))
 
 
 cdef inline double _f64(const uint8_t* p) noexcept:
@@ -108,10 +112,11 @@ cdef inline object _kind_name(int kind):
     return {KIND_REQUEST: "REQUEST", KIND_RESPONSE: "RESPONSE", KIND_ITEM: "ITEM"}[kind]
 
 
-cdef object _tail(object raw, Py_ssize_t start, Py_ssize_t size):
-    """The frame from ``start`` on: the value's serde header."""
-    if type(raw) is bytearray and size <= SLICE_MAX:
-        return raw[start:]
+cdef object _tail(object raw, const uint8_t* data, Py_ssize_t start, Py_ssize_t size):
+    """The frame (``raw``, its ``size`` bytes at ``data``) from ``start``
+    on: the value's serde header."""
+    if size <= COPY_MAX and (type(raw) is bytearray or type(raw) is bytes):
+        return PyBytes_FromStringAndSize(<const char*>data + start, size - start)
     view = memoryview(raw)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
@@ -135,7 +140,7 @@ cdef object _parse_reply(int kind, const uint8_t* data, Py_ssize_t size, object 
     cdef uint64_t call_id = _u64(data + 8)
     if call_id >= _CALL_ID_END:
         raise ProtocolError(f"bad call id {call_id}")
-    value = _value(frames, _tail(raw, REPLY_SIZE, size))
+    value = _value(frames, _tail(raw, data, REPLY_SIZE, size))
     # The message classes are slotted dataclasses: filled in here without
     # their generated __init__ (a Python frame per message).
     message = (_Response if kind == KIND_RESPONSE else _Item).__new__(
@@ -179,7 +184,7 @@ cdef object _parse_request(const uint8_t* data, Py_ssize_t size, object raw, obj
     message.method = method
     message.timeout = timeout if flags else None
     message.stream_arg = stream_arg
-    message.value = _value(frames, _tail(raw, start, size))
+    message.value = _value(frames, _tail(raw, data, start, size))
     return message
 
 

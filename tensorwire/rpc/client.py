@@ -25,8 +25,8 @@ from ..errors import (
 from ..transports import connect as transport_connect
 from . import protocol
 from ._calls import CLIENT, CallState
-from ._calls_in_flight import LONGEST, CallsInFlight, UnaryCall
-from ._client_core import ClientCore, sendable, split_stream
+from ._calls_in_flight import LONGEST, CallsInFlight, UnaryCall, until_drained
+from ._client_core import ClientCore, SessionCore, sendable, split_stream
 from ._connection_driver import ConnectionDriver
 from ._proxy import Proxy
 from ._slots import Slots
@@ -69,15 +69,16 @@ def _fields(config: ClientConfig) -> dict[str, Any]:
 _InFlight: TypeAlias = "UnaryCall | CallStreams"
 
 
-class _ClientSession:
-    """One connection of a client."""
+class _ClientSession(SessionCore):
+    """One connection of a client: ``SessionCore`` (compiled: what every
+    call reads of it), opened, and the handlers of its messages."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self.driver: ConnectionDriver | None = None
+        self.driver = None
         self.loop = asyncio.get_running_loop()
         self.slots = Slots(1, self.loop)
-        self.error: TensorwireError | None = None
+        self.error = None
         # The calls in flight (compiled): RESPONSEs resolve their futures
         # there; every other message comes to _on_message.
         self.calls = CallsInFlight(self.loop, self._on_message)
@@ -112,24 +113,28 @@ class _ClientSession:
         )
         self.driver.start()
 
-    @property
-    def alive(self) -> bool:
-        return self.driver is not None and not self.driver.closed
-
-    async def acquire_slot(self, deadline: float) -> None:
-        """Wait, within the call's deadline, for one of the calls in flight
-        that the server allows (only a client with more calls than that
-        waits here).
+    async def wait_for_slot(self, deadline: float, method: str) -> None:
+        """``take_slot()``, waiting within the call's deadline: for one of
+        the calls in flight that the server allows (only a client with
+        more calls than that waits here), then until the server has taken
+        enough of what was sent (``until_drained``).
 
         Raises:
-            TimeoutError: the deadline passed first.
+            TimeoutError: the deadline passed while it waited for a slot.
+            DeadlineExceeded: it passed while the output drained.
             Unavailable: the connection was lost meanwhile.
         """
         async with asyncio.timeout_at(deadline):
             await self.slots.acquire()
-        if self.error is not None:
+        try:
+            driver = _driver(self)
+            if self.error is not None:
+                raise Unavailable(f"connection to {self.client.address} lost: {self.error}")
+            if driver.reading_paused:
+                await until_drained(driver, deadline, method)
+        except BaseException:
             self.slots.release()
-            raise Unavailable(f"connection to {self.client.address} lost: {self.error}")
+            raise
 
     def _on_message(self, message: protocol.Message, nbytes: int) -> None:
         """Every message but a unary call's RESPONSE (see ``calls``)."""

@@ -26,6 +26,7 @@ WINDOW = 4
 class Recorder(rpc.Service):
     def __init__(self) -> None:
         self.seen: list[Any] = []
+        self.stopped = asyncio.Event()  # set when a generator of endless() stops
 
     @rpc.method
     async def collect(self, values: AsyncIterator[Any]) -> int:
@@ -46,6 +47,17 @@ class Recorder(rpc.Service):
     async def count(self, n: int) -> AsyncIterator[int]:
         for i in range(n):
             yield i
+
+    @rpc.method
+    async def endless(self) -> AsyncIterator[int]:
+        self.seen.append("started")
+        try:
+            while True:
+                yield 1
+                await asyncio.sleep(0)
+        finally:
+            self.seen.append("stopped")
+            self.stopped.set()
 
 
 def _frames(msg: protocol.Message) -> bytes:
@@ -181,5 +193,57 @@ async def test_a_stream_of_a_unary_method_fails_clearly() -> None:
                     [x async for x in client.stream("Recorder.unary", 1, timeout=60)]
             assert await client.call("Recorder.unary", 2) == 2  # same connection
             assert len(server.transport_stats()) == 1
+    finally:
+        await server.close(grace=0)
+
+
+@pytest.mark.parametrize(("method", "args"), [
+    ("Recorder.count", [3]),  # its first ITEM tells the client
+    ("Recorder.count", [0]),  # no ITEM: its END tells the client
+    ("Recorder.endless", []),
+])
+async def test_a_unary_call_of_a_streaming_method_fails_clearly(method: str,
+                                                                 args: list[Any]) -> None:
+    recorder = Recorder()
+    server = tw.Server([recorder])
+    (address,) = await server.start("tcp://127.0.0.1:0")
+    try:
+        async with tw.connect(address) as client:
+            for _ in range(2):  # each time, not only the first
+                with pytest.raises(Unimplemented, match="call it with stream"):
+                    async with asyncio.timeout(5):  # it never waits for its deadline
+                        await client.call(method, *args, timeout=60)
+            # The same connection goes on.
+            assert await client.call("Recorder.unary", 2) == 2
+            assert [x async for x in client.stream("Recorder.count", 3)] == [0, 1, 2]
+            assert len(server.transport_stats()) == 1
+            if method == "Recorder.endless":
+                # The server heard the call's end (CANCEL): its generator stopped.
+                async with asyncio.timeout(5):
+                    while recorder.seen.count("stopped") < 2:
+                        await recorder.stopped.wait()
+                        recorder.stopped.clear()
+            assert client.metrics()[method]["errors"] == 2
+    finally:
+        await server.close(grace=0)
+
+
+async def test_a_unary_method_is_asked_for_a_stream_once_per_connection() -> None:
+    server = tw.Server([Recorder()])
+    (address,) = await server.start("tcp://127.0.0.1:0")
+    try:
+        async with tw.connect(address) as client:
+
+            async def messages_sent_by(coro: Any) -> int:
+                before = client.transport_stats()[address]["messages_sent"]
+                await coro
+                await asyncio.sleep(0.05)  # what a call posts goes out in its loop turn
+                return client.transport_stats()[address]["messages_sent"] - before
+
+            # The first call also grants a CREDIT of 1, which the server drops.
+            assert await messages_sent_by(client.call("Recorder.unary", 1)) == 2
+            assert await messages_sent_by(client.call("Recorder.unary", 2)) == 1
+            assert await messages_sent_by(client.call("Recorder.slow", 0.01)) == 2
+            assert await messages_sent_by(client.call("Recorder.slow", 0.01)) == 1
     finally:
         await server.close(grace=0)

@@ -1,0 +1,45 @@
+# The layout of UnaryCall and CallsInFlight, for Cython modules that cimport
+# them (the client's unary call starts and ends through C calls, without a
+# coroutine of its own). Described in _calls_in_flight.pyx.
+
+cimport cython
+
+from .._counters cimport MethodMetrics
+from ._calls cimport CallState
+
+
+@cython.final
+cdef class UnaryCall:
+    cdef readonly object future
+    cdef readonly CallState state
+    cdef readonly unsigned long long call_id
+    # The call's first of its method on the connection: it asked for a
+    # stream of one item (see CallsInFlight.start).
+    cdef readonly bint probing
+
+    cdef void deliver(self, object message, Py_ssize_t nbytes) except *
+    cdef bint may_cancel(self)
+
+
+cdef class CallsInFlight:
+    cdef readonly dict pending
+    cdef object _loop
+    cdef object _on_other
+    cdef unsigned long long _last_id
+    cdef readonly list deadlines
+    cdef Py_ssize_t _compact_at
+    cdef double _timer_at
+    cdef object _timer
+    cdef set _unary
+
+    cpdef unsigned long long add(self, object waiter, double expires) except? 0
+    cdef unsigned long long request(self, object driver, str method, double deadline,
+                                    double now, int stream_arg, list payload, object waiter,
+                                    MethodMetrics metrics, double grace) except? 0
+    cdef UnaryCall start(self, object driver, str method, double deadline, double now,
+                         list payload, MethodMetrics metrics, double grace)
+    cdef void end(self, object driver, UnaryCall call, str method) except *
+    cdef void _cancel_remote(self, object driver, unsigned long long call_id,
+                             object waiter) except *
+    cdef void _compact(self) except *
+    cdef void _arm(self, double when) except *

@@ -1,0 +1,39 @@
+# The layout of SessionCore and ClientCore (the client's per-call state, C
+# fields). Described in _client_core.pyx.
+
+from .._counters cimport MethodMetrics
+from ._calls_in_flight cimport CallsInFlight, UnaryCall
+from ._slots cimport Slots
+
+
+cdef class SessionCore:
+    cdef public object loop
+    cdef public object driver
+    cdef public Slots slots
+    cdef public CallsInFlight calls
+    cdef public object error
+
+    cdef bint connected(self)
+    cpdef bint take_slot(self)
+    cdef UnaryCall start(self, str method, double deadline, double now, list payload,
+                         MethodMetrics metrics)
+    cdef void end(self, UnaryCall call, str method) except *
+
+
+cdef class ClientCore:
+    cdef public object config
+    cdef public SessionCore _session
+    # The client's own codec (it runs on one event loop's thread): a call
+    # each way less than serde's per-thread functions.
+    cdef public object _encoder
+    cdef public object _decoder
+    cdef public object _metrics
+
+    cpdef double _deadline(self, object timeout) except? -1.0
+    cdef double _now(self) except? -1.0
+    cdef double _timeout(self, object timeout) except? -1.0
+    cdef SessionCore _connected(self)
+    cpdef list _encode(self, object value)
+    cpdef object _result(self, object message, Py_ssize_t nbytes, MethodMetrics metrics,
+                         str method)
+    cpdef list _encode_arguments(self, tuple args, dict kwargs)
