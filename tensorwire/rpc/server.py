@@ -275,9 +275,9 @@ class _ServerSession:
         # when closed (no cycle: issue 21).
         dispatch = RequestDispatch(self, self._on_message, _Call)
         self.driver = ConnectionDriver(conn, dispatch.on_message, self._on_close,
-                               heartbeat_timeout=server.config.heartbeat_timeout,
-                               on_refused=self._on_refused,
-                               max_unsent=server.config.transport.max_unsent_bytes)
+                                       heartbeat_timeout=server.config.heartbeat_timeout,
+                                       on_refused=self._on_refused,
+                                       max_unsent=server.config.transport.max_unsent_bytes)
         dispatch.attach(self.driver)
 
     async def run(self) -> None:
