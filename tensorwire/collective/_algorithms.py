@@ -122,7 +122,8 @@ async def ring_reduce_scatter(links: Links, op: Op, flat: Flat, a: Any,
                     part = scratch[: s_hi - s_lo]
                     await links.recv(left, op, step, [flat.frame(part)])
                     flat.reduce_into(reduce, a[s_lo:s_hi], part)
-                flat.sync()
+                    # Before the next segment lands in the same scratch.
+                    flat.sync()
 
             await run_all(send(*bounds[plan.send]), receive(*bounds[plan.recv]))
 
@@ -169,6 +170,9 @@ async def ring_allreduce(links: Links, op: Op, flat: Flat, a: Any,
                     flat.reduce_into(reduce, a[lo:hi], part)
                     if reduce is ReduceOp.AVG and index == n - 2:
                         flat.divide(a[lo:hi], links.world_size)
+                    # Before the next segment lands in the same scratch,
+                    # and before this one is sent on (device data).
+                    flat.sync()
                 else:
                     await links.recv(left, op, first_step + index, [flat.frame(a[lo:hi])])
                 landed[index][k].set_result(None)
