@@ -205,11 +205,21 @@ cdef class Progress:
         self.stopped = True
 
     def abandon(self):
-        """Call every callback with None and forget the requests; the
-        buffers of those UCX had not finished (they must stay allocated)."""
+        """The last step of the worker's teardown: call every callback with
+        None and forget the requests; the buffers of those UCX had not
+        finished (they must stay allocated).
+
+        It also lets go of the worker and of ``on_armed`` (the runtime), so
+        that the worker is destroyed when the runtime drops it, not by some
+        later garbage collection (this object's bound ``run`` is a cycle),
+        which could run in the middle of starting the next worker."""
         cdef list entries = self._entries
         cdef _Entry entry
+        self.stopped = True
         self._entries = []
+        self.worker = None
+        self.on_armed = None
+        self._run = None
         unfinished = [entry.keep for entry in entries if not entry.request.completed]
         for entry in entries:
             entry.callback(None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import logging
 import os
@@ -189,6 +190,32 @@ async def test_runtime_is_gone_after_the_last_connection() -> None:
         assert _ucx_runtime.active_runtime() is not None
         await conn.close()
     assert _ucx_runtime.active_runtime() is None
+
+
+def _ucx_workers() -> list[object]:
+    return [o for o in gc.get_objects() if type(o).__name__ == "UCXWorker"]
+
+
+async def test_the_worker_is_destroyed_with_the_runtime_not_by_a_later_collection() -> None:
+    # Left to the garbage collector, the worker would be torn down whenever
+    # a collection ran: in the middle of starting the next worker, say.
+    from tensorwire.transports import _ucx_runtime
+
+    if _ucx_runtime.active_runtime() is not None:
+        pytest.skip("another ucx:// test left the runtime running")
+    gc.collect()
+    gc.disable()
+    try:
+        async with echo_server() as listener:
+            conn = await connect(listener.address)
+            await conn.send([b"x"])
+            await conn.recv()
+            assert len(_ucx_workers()) == 1
+            await conn.close()
+        assert _ucx_runtime.active_runtime() is None
+        assert _ucx_workers() == []
+    finally:
+        gc.enable()
 
 
 class _UnfinishedRequest:
