@@ -27,6 +27,9 @@ cdef class CallsInFlight:
     cdef object _on_other
     cdef unsigned long long _last_id
     cdef readonly list deadlines
+    cdef readonly object in_order
+    # The deadline last appended to in_order (not earlier than its last).
+    cdef double _last_in_order
     cdef Py_ssize_t _compact_at
     cdef double _timer_at
     cdef object _timer

@@ -1,6 +1,7 @@
 """Stub of the compiled ``_calls_in_flight`` module (see _calls_in_flight.pyx)."""
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ class UnaryCall:
 class CallsInFlight:
     pending: dict[int, Any]
     deadlines: list[tuple[float, int]]
+    in_order: deque[tuple[float, int]]
     def __init__(self, loop: asyncio.AbstractEventLoop,
                  on_other: Callable[[Message, int], None]) -> None: ...
     def add(self, waiter: Any, expires: float) -> int: ...

@@ -29,6 +29,7 @@ from ._calls cimport CallState
 from ._wire cimport encode_request
 
 import asyncio
+from collections import deque
 from heapq import heapify, heappop, heappush
 
 from ..errors import DeadlineExceeded, Unavailable
@@ -52,6 +53,7 @@ cdef object _timeout_at = asyncio.timeout_at
 #: is this (half the protocol's bound: "no deadline" for any practical use).
 LONGEST = protocol.MAX_TIMEOUT / 2
 cdef double _LONGEST = LONGEST
+cdef double _INF = float("inf")
 
 
 cdef inline void _fail(object future, object error) except *:
@@ -92,17 +94,24 @@ cdef class UnaryCall:
 cdef class CallsInFlight:
     """The calls in flight on one client connection (see the module)."""
 
-    # Its fields are declared in _calls_in_flight.pxd. Deadlines are a heap
-    # of (when, call id), with one loop timer for the earliest instead of
-    # one per call (a timer costs several times a heap push); entries of
-    # calls that ended stay until the heap grows past _compact_at. _unary:
-    # the methods that answered a probing call with RESPONSE.
+    # Its fields are declared in _calls_in_flight.pxd. Deadlines are
+    # (when, call id) entries, with one loop timer for the earliest instead
+    # of one per call (a timer costs several times a heap push). Calls of
+    # one client mostly share a timeout, so their deadlines come in order:
+    # those not earlier than the last one queued go to the deque in_order
+    # (sorted, an append each), the others to the heap deadlines. The
+    # earliest is at the front of one of the two. Entries of calls that
+    # ended leave the front of in_order as new calls come (calls with one
+    # timeout mostly end in order too), and the rest when the two grow
+    # past _compact_at. _unary: the methods that answered a probing call
+    # with RESPONSE.
 
     def __init__(self, loop, on_other):
         self.pending = {}
         self._loop = loop
         self._on_other = on_other
         self.deadlines = []
+        self.in_order = deque()
         self._compact_at = 64
         self._timer_at = float("inf")
         self._unary = set()
@@ -112,9 +121,17 @@ cdef class CallsInFlight:
         at ``expires`` (loop time) unless it has ended by then."""
         self._last_id += 1
         cdef unsigned long long call_id = self._last_id
-        self.pending[call_id] = waiter
-        heappush(self.deadlines, (expires, call_id))
-        if len(self.deadlines) > self._compact_at:
+        pending = self.pending
+        pending[call_id] = waiter
+        in_order = self.in_order
+        while in_order and in_order[0][1] not in pending:
+            in_order.popleft()  # its call ended
+        if not in_order or expires >= self._last_in_order:
+            in_order.append((expires, call_id))
+            self._last_in_order = expires
+        else:
+            heappush(self.deadlines, (expires, call_id))
+        if len(self.deadlines) + len(in_order) > self._compact_at:
             self._compact()
         if expires < self._timer_at:
             self._arm(expires)
@@ -255,13 +272,15 @@ cdef class CallsInFlight:
             self._timer = None
         self._timer_at = float("inf")
         self.deadlines.clear()
+        self.in_order.clear()
 
     cdef void _compact(self) except *:
         """Drop the deadlines of calls that ended."""
         pending = self.pending
         self.deadlines = [entry for entry in self.deadlines if entry[1] in pending]
         heapify(self.deadlines)
-        self._compact_at = 2 * len(self.deadlines) + 64
+        self.in_order = deque([entry for entry in self.in_order if entry[1] in pending])
+        self._compact_at = 2 * (len(self.deadlines) + len(self.in_order)) + 64
 
     cdef void _arm(self, double when) except *:
         """Wake up at ``when`` to expire the calls due then."""
@@ -274,17 +293,27 @@ cdef class CallsInFlight:
         self._timer = None
         self._timer_at = float("inf")
         heap = self.deadlines
+        in_order = self.in_order
         now = self._loop.time()
-        while heap and heap[0][0] <= now:
-            waiter = self.pending.get(heappop(heap)[1])
+        while True:
+            # The earliest of the two fronts, in (when, call id) order.
+            if in_order and (not heap or in_order[0] < heap[0]):
+                if in_order[0][0] > now:
+                    break
+                entry = in_order.popleft()
+            elif heap and heap[0][0] <= now:
+                entry = heappop(heap)
+            else:
+                break
+            waiter = self.pending.get(entry[1])
             if type(waiter) is UnaryCall:
                 # The deadline passed: end the wait.
                 if (<UnaryCall>waiter).state.expire():
                     _fail((<UnaryCall>waiter).future, TimeoutError())
             elif waiter is not None:
                 _fail(waiter.future, TimeoutError())
-        if heap:
-            self._arm(heap[0][0])
+        if heap or in_order:
+            self._arm(min(heap[0][0] if heap else _INF, in_order[0][0] if in_order else _INF))
 
 
 async def until_drained(driver, double deadline, str method):
