@@ -1,7 +1,6 @@
 """Stub of the compiled ``_calls_in_flight`` module (see _calls_in_flight.pyx)."""
 
 import asyncio
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +10,11 @@ from ._driver_core import DriverCore
 from .protocol import Message
 
 LONGEST: float
+
+class DeadlineQueue:
+    size: int
+    last: float
+    def __len__(self) -> int: ...
 
 class UnaryCall:
     future: asyncio.Future[tuple[Message, int]]
@@ -23,7 +27,7 @@ class UnaryCall:
 class CallsInFlight:
     pending: dict[int, Any]
     deadlines: list[tuple[float, int]]
-    in_order: deque[tuple[float, int]]
+    in_order: DeadlineQueue
     def __init__(self, loop: asyncio.AbstractEventLoop,
                  on_other: Callable[[Message, int], None]) -> None: ...
     def add(self, waiter: Any, expires: float) -> int: ...

@@ -78,3 +78,21 @@ async def test_deadlines_of_ended_calls_do_not_pile_up() -> None:
         assert len(calls.deadlines) + len(calls.in_order) <= 2 * 2 + 64
     calls.fail_all(TimeoutError())
     assert not calls.deadlines and not calls.in_order
+
+
+async def test_many_deadlines_in_order_expire_in_order() -> None:
+    loop = asyncio.get_running_loop()
+    calls = _table(loop)
+    start = loop.time()
+    # Calls that end first move the front of the queue on; the live ones
+    # then outgrow its first size.
+    for n in range(40):
+        del calls.pending[calls.add(_Waiter(loop), start + 0.01 + n * 1e-4)]
+    waiters = [_Waiter(loop) for _ in range(300)]
+    expired: list[int] = []
+    for index, waiter in enumerate(waiters):
+        calls.add(waiter, start + 0.02 + index * 1e-4)
+        waiter.future.add_done_callback(lambda _, index=index: expired.append(index))
+    await asyncio.wait([w.future for w in waiters])
+    assert expired == list(range(300))
+    assert loop.time() >= start + 0.02 + 299 * 1e-4
