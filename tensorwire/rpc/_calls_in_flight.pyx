@@ -27,6 +27,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 from .._counters cimport MethodMetrics
 from ._calls cimport CallState
+from ._driver_core cimport DriverCore
 from ._wire cimport encode_request
 
 import asyncio
@@ -229,9 +230,13 @@ cdef class CallsInFlight:
         cdef double remaining = deadline - now
         if remaining <= 0.0:
             raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent")
+        if driver is None:  # checked here: the C call below would not
+            raise Unavailable(f"{method}: not connected")
+        # The session's ConnectionDriver: posting the request is a C call.
+        cdef DriverCore core = driver
         cdef unsigned long long call_id = self.add(waiter, deadline + grace)
         try:
-            metrics.bytes_out += driver.post_frames(encode_request(
+            metrics.bytes_out += core.post_frames(encode_request(
                 call_id, method, min(remaining, _LONGEST), stream_arg, payload))
         except BaseException:
             del self.pending[call_id]
