@@ -9,6 +9,25 @@ from ._calls cimport CallState
 
 
 @cython.final
+cdef class DeadlineQueue:
+    cdef readonly Py_ssize_t size
+    # The deadline last pushed (not earlier than any queued).
+    cdef readonly double last
+    cdef Py_ssize_t _head
+    cdef Py_ssize_t _capacity
+    cdef double *_when
+    cdef unsigned long long *_ids
+
+    cdef void _allocate(self, Py_ssize_t capacity) except *
+    cdef void push(self, double when, unsigned long long call_id) except *
+    cdef double front_when(self) noexcept
+    cdef unsigned long long front_id(self) noexcept
+    cdef void pop(self) noexcept
+    cdef void keep(self, dict pending) except *
+    cdef void clear(self) noexcept
+
+
+@cython.final
 cdef class UnaryCall:
     cdef readonly object future
     cdef readonly CallState state
@@ -27,6 +46,7 @@ cdef class CallsInFlight:
     cdef object _on_other
     cdef unsigned long long _last_id
     cdef readonly list deadlines
+    cdef readonly DeadlineQueue in_order
     cdef Py_ssize_t _compact_at
     cdef double _timer_at
     cdef object _timer

@@ -11,6 +11,11 @@ from .protocol import Message
 
 LONGEST: float
 
+class DeadlineQueue:
+    size: int
+    last: float
+    def __len__(self) -> int: ...
+
 class UnaryCall:
     future: asyncio.Future[tuple[Message, int]]
     state: CallState
@@ -22,6 +27,7 @@ class UnaryCall:
 class CallsInFlight:
     pending: dict[int, Any]
     deadlines: list[tuple[float, int]]
+    in_order: DeadlineQueue
     def __init__(self, loop: asyncio.AbstractEventLoop,
                  on_other: Callable[[Message, int], None]) -> None: ...
     def add(self, waiter: Any, expires: float) -> int: ...

@@ -23,9 +23,11 @@ comes.
 """
 
 cimport cython
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 from .._counters cimport MethodMetrics
 from ._calls cimport CallState
+from ._driver_core cimport DriverCore
 from ._wire cimport encode_request
 
 import asyncio
@@ -52,6 +54,80 @@ cdef object _timeout_at = asyncio.timeout_at
 #: is this (half the protocol's bound: "no deadline" for any practical use).
 LONGEST = protocol.MAX_TIMEOUT / 2
 cdef double _LONGEST = LONGEST
+cdef double _INF = float("inf")
+
+
+@cython.final
+cdef class DeadlineQueue:
+    """Deadlines in increasing order, first in, first out: (when, call id)
+    in a ring of two C arrays, which doubles when full. ``push`` takes a
+    deadline not earlier than ``last`` (the caller checks)."""
+
+    # Its fields are declared in _calls_in_flight.pxd: size, last, _head,
+    # _capacity (a power of two), _when, _ids.
+
+    def __cinit__(self):
+        self._allocate(64)
+
+    def __dealloc__(self):
+        PyMem_Free(self._when)
+        PyMem_Free(self._ids)
+
+    def __len__(self):
+        return self.size
+
+    cdef void _allocate(self, Py_ssize_t capacity) except *:
+        """Fresh arrays of ``capacity`` entries, which take over those queued."""
+        cdef double *when = <double *>PyMem_Malloc(capacity * sizeof(double))
+        cdef unsigned long long *ids = <unsigned long long *>PyMem_Malloc(
+            capacity * sizeof(unsigned long long))
+        if when == NULL or ids == NULL:
+            PyMem_Free(when)
+            PyMem_Free(ids)
+            raise MemoryError()
+        cdef Py_ssize_t i, at
+        for i in range(self.size):
+            at = (self._head + i) & (self._capacity - 1)
+            when[i] = self._when[at]
+            ids[i] = self._ids[at]
+        PyMem_Free(self._when)
+        PyMem_Free(self._ids)
+        self._when, self._ids = when, ids
+        self._head = 0
+        self._capacity = capacity
+
+    cdef void push(self, double when, unsigned long long call_id) except *:
+        if self.size == self._capacity:
+            self._allocate(2 * self._capacity)
+        cdef Py_ssize_t at = (self._head + self.size) & (self._capacity - 1)
+        self._when[at] = when
+        self._ids[at] = call_id
+        self.size += 1
+        self.last = when
+
+    cdef inline double front_when(self) noexcept:
+        return self._when[self._head]
+
+    cdef inline unsigned long long front_id(self) noexcept:
+        return self._ids[self._head]
+
+    cdef inline void pop(self) noexcept:
+        self._head = (self._head + 1) & (self._capacity - 1)
+        self.size -= 1
+
+    cdef void keep(self, dict pending) except *:
+        """Drop the entries whose call id is not in ``pending``."""
+        cdef Py_ssize_t i, at, kept = 0, mask = self._capacity - 1
+        for i in range(self.size):
+            at = (self._head + i) & mask
+            if self._ids[at] in pending:
+                self._when[(self._head + kept) & mask] = self._when[at]
+                self._ids[(self._head + kept) & mask] = self._ids[at]
+                kept += 1
+        self.size = kept
+
+    cdef void clear(self) noexcept:
+        self.size = 0
 
 
 cdef inline void _fail(object future, object error) except *:
@@ -89,20 +165,31 @@ cdef class UnaryCall:
         return not self.state.done or self.state.outcome == _EXPIRED
 
 
+# Its typed field in_order is used by fail_all(), which runs from a
+# closing session, maybe during a GC teardown: the GC must not set it to
+# None first (a C call on it would not check), as asyncpg's protocol.
+@cython.no_gc_clear
 cdef class CallsInFlight:
     """The calls in flight on one client connection (see the module)."""
 
-    # Its fields are declared in _calls_in_flight.pxd. Deadlines are a heap
-    # of (when, call id), with one loop timer for the earliest instead of
-    # one per call (a timer costs several times a heap push); entries of
-    # calls that ended stay until the heap grows past _compact_at. _unary:
-    # the methods that answered a probing call with RESPONSE.
+    # Its fields are declared in _calls_in_flight.pxd. Deadlines are
+    # (when, call id) entries, with one loop timer for the earliest instead
+    # of one per call (a timer costs several times a heap push). Calls of
+    # one client mostly share a timeout, so their deadlines come in order:
+    # those not earlier than the last one queued go to in_order (a C ring,
+    # no Python object each), the others to the heap deadlines. The
+    # earliest is at the front of one of the two. Entries of calls that
+    # ended leave the front of in_order as new calls come (calls with one
+    # timeout mostly end in order too), and the rest when the two grow
+    # past _compact_at. _unary: the methods that answered a probing call
+    # with RESPONSE.
 
     def __init__(self, loop, on_other):
         self.pending = {}
         self._loop = loop
         self._on_other = on_other
         self.deadlines = []
+        self.in_order = DeadlineQueue()
         self._compact_at = 64
         self._timer_at = float("inf")
         self._unary = set()
@@ -112,9 +199,16 @@ cdef class CallsInFlight:
         at ``expires`` (loop time) unless it has ended by then."""
         self._last_id += 1
         cdef unsigned long long call_id = self._last_id
-        self.pending[call_id] = waiter
-        heappush(self.deadlines, (expires, call_id))
-        if len(self.deadlines) > self._compact_at:
+        pending = self.pending
+        pending[call_id] = waiter
+        cdef DeadlineQueue in_order = self.in_order
+        while in_order.size and in_order.front_id() not in pending:
+            in_order.pop()  # its call ended
+        if not in_order.size or expires >= in_order.last:
+            in_order.push(expires, call_id)
+        else:
+            heappush(self.deadlines, (expires, call_id))
+        if len(self.deadlines) + in_order.size > self._compact_at:
             self._compact()
         if expires < self._timer_at:
             self._arm(expires)
@@ -136,9 +230,13 @@ cdef class CallsInFlight:
         cdef double remaining = deadline - now
         if remaining <= 0.0:
             raise DeadlineExceeded(f"{method}: the deadline passed before the call was sent")
+        if driver is None:  # checked here: the C call below would not
+            raise Unavailable(f"{method}: not connected")
+        # The session's ConnectionDriver: posting the request is a C call.
+        cdef DriverCore core = driver
         cdef unsigned long long call_id = self.add(waiter, deadline + grace)
         try:
-            metrics.bytes_out += driver.post_frames(encode_request(
+            metrics.bytes_out += core.post_frames(encode_request(
                 call_id, method, min(remaining, _LONGEST), stream_arg, payload))
         except BaseException:
             del self.pending[call_id]
@@ -255,13 +353,15 @@ cdef class CallsInFlight:
             self._timer = None
         self._timer_at = float("inf")
         self.deadlines.clear()
+        self.in_order.clear()
 
     cdef void _compact(self) except *:
         """Drop the deadlines of calls that ended."""
         pending = self.pending
         self.deadlines = [entry for entry in self.deadlines if entry[1] in pending]
         heapify(self.deadlines)
-        self._compact_at = 2 * len(self.deadlines) + 64
+        self.in_order.keep(pending)
+        self._compact_at = 2 * (len(self.deadlines) + self.in_order.size) + 64
 
     cdef void _arm(self, double when) except *:
         """Wake up at ``when`` to expire the calls due then."""
@@ -274,17 +374,30 @@ cdef class CallsInFlight:
         self._timer = None
         self._timer_at = float("inf")
         heap = self.deadlines
-        now = self._loop.time()
-        while heap and heap[0][0] <= now:
-            waiter = self.pending.get(heappop(heap)[1])
+        cdef DeadlineQueue in_order = self.in_order
+        cdef double now = self._loop.time()
+        while True:
+            # The earliest of the two fronts, in (when, call id) order.
+            if in_order.size and (not heap or (in_order.front_when(), in_order.front_id())
+                                  < heap[0]):
+                if in_order.front_when() > now:
+                    break
+                call_id = in_order.front_id()
+                in_order.pop()
+            elif heap and heap[0][0] <= now:
+                call_id = heappop(heap)[1]
+            else:
+                break
+            waiter = self.pending.get(call_id)
             if type(waiter) is UnaryCall:
                 # The deadline passed: end the wait.
                 if (<UnaryCall>waiter).state.expire():
                     _fail((<UnaryCall>waiter).future, TimeoutError())
             elif waiter is not None:
                 _fail(waiter.future, TimeoutError())
-        if heap:
-            self._arm(heap[0][0])
+        if heap or in_order:
+            self._arm(min(heap[0][0] if heap else _INF,
+                          in_order.front_when() if in_order.size else _INF))
 
 
 async def until_drained(driver, double deadline, str method):

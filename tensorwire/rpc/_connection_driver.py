@@ -218,7 +218,8 @@ class ConnectionDriver(DriverCore):
             await asyncio.sleep(tick)
             now = self.loop.time()
             # Bytes arriving mid-message count too: a long transfer is not
-            # silence.
+            # silence. Where the transport stamps whole messages
+            # (conn.stamps_messages), _deliver leaves them to it.
             seen = max(self._last_seen, self.conn.last_activity or 0.0)
             silent = now - seen
             # Paused over our own unsent output, we do not listen: the peer

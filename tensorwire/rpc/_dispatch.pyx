@@ -21,6 +21,8 @@ from cpython.ref cimport PyObject, Py_XDECREF
 from .._counters cimport MethodMetrics, now, record_call
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore
+from ._slots cimport Slots
+from ._wire cimport encode_response
 
 import asyncio
 import logging
@@ -40,7 +42,6 @@ from ..errors import (
 )
 from . import protocol
 from ._calls import SERVER
-from ._wire import encode_response
 from .service import argument_checker, cannot_suspend, positional_arity, signature_text
 
 
@@ -125,7 +126,7 @@ cdef class RequestDispatch:
     # flight (those in a task), the server's methods, slots and codec.
     cdef dict _calls
     cdef dict _methods
-    cdef object _slots
+    cdef Slots _slots
     cdef object _decoder
     cdef object _encoder
     cdef object _timeline
@@ -178,7 +179,7 @@ cdef class RequestDispatch:
         the current context as a task would have, then its answer. False,
         and nothing done, when no slot is free: the call waits for one in a
         task."""
-        slots = self._slots
+        cdef Slots slots = self._slots
         if not slots.try_acquire():
             return False
         cdef double started = now()
@@ -279,7 +280,9 @@ async def run_call(ServerCall call, Method method):
     ``method`` is None for a method the server does not have (NOT_FOUND)."""
     request = call.request
     session = call.session
-    slots = session._slots
+    # A local of the coroutine, not a field: a coroutine's locals are not
+    # cleared by the GC, so the finally below never sees it None.
+    cdef Slots slots = session._slots
     cdef double started = now()
     failed = True
     reply = None  # its frames

@@ -8,6 +8,9 @@ cdef class DriverCore:
     cdef public object error
     cdef public bint reading_paused
     cdef public double _last_seen
+    # Note each delivered message's time in _last_seen: the transport does
+    # not (not conn.stamps_messages; its last_activity covers them else).
+    cdef public bint _stamp_messages
     cdef public object _on_message
     # Messages not yet handed to the transport, and the future of their
     # senders (made when someone waits for them).

@@ -27,6 +27,7 @@ class DriverCore:
     _writing_flushed: asyncio.Future[None] | None
     _turn: asyncio.Handle | None
     _eager: bool
+    _stamp_messages: bool
     _unsent: int
     _outbox_bytes: int
     _high_water: int

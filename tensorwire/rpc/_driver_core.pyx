@@ -79,6 +79,7 @@ cdef class DriverCore:
         self._last_seen = self.loop.time()
         self._outbox = []
         self._eager = not conn.coalesces_sends
+        self._stamp_messages = not conn.stamps_messages
         self._high_water = max_unsent
         self._low_water = max_unsent // 4
 
@@ -195,7 +196,11 @@ cdef class DriverCore:
         """Parse one received message and hand it to the session."""
         if self.error is not None:
             return
-        self._last_seen = self.loop.time()
+        if self._stamp_messages:
+            # Elsewhere the transport's last_activity, read by the
+            # watchdog, already moved for this message: no clock read per
+            # message.
+            self._last_seen = self.loop.time()
         try:
             self._on_message(_parse_message(frames), frames_nbytes(frames))
         except TensorwireError as exc:

@@ -1,8 +1,10 @@
-# The encoding of a REQUEST, for Cython modules that cimport it (the client
-# encodes one on every call: a C call then). Described in _wire.pyx.
+# The encoding of a REQUEST and a RESPONSE, for Cython modules that cimport
+# them (the client encodes a REQUEST, the server a RESPONSE, on every call: a
+# C call then). Described in _wire.pyx.
 
 from libc.stdint cimport uint64_t
 
 
 cpdef list encode_request(uint64_t call_id, str method, object timeout, int stream_arg,
                           list value)
+cpdef list encode_response(uint64_t call_id, list value)

@@ -38,6 +38,11 @@ class Connection(abc.ABC):
     #: (a byte stream: one system call), so a sender of many small messages
     #: gains by handing them over together rather than each as it comes.
     coalesces_sends: bool = False
+    #: True where :attr:`last_activity` moves with every whole message
+    #: received (at the latest as the read that completed it ends): a
+    #: consumer that watches the peer's liveness then need not note the
+    #: time of each message itself.
+    stamps_messages: bool = False
     #: Counters the transport keeps (see :meth:`stats`).
     messages_sent: int = 0
     messages_received: int = 0

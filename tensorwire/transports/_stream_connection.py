@@ -40,6 +40,9 @@ class StreamConnection(StreamCore, StreamSending):
     compiled first base, ``StreamCore``; here is the rest."""
 
     coalesces_sends = True
+    # Each batch of whole messages handed out moves last_activity
+    # (StreamCore._hand_out).
+    stamps_messages = True
 
     def __init__(
         self,

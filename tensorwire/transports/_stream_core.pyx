@@ -233,6 +233,9 @@ cdef class StreamCore:
             self._fail(consumer_failed(exc, "message receiver", self._peer_address))
             return False
         if handed:
+            # Whole messages are progress (last_activity), once per batch:
+            # the RPC driver takes their time from here (stamps_messages).
+            self._last_activity = self._loop.time()
             self._budget -= handed
             self.messages_received += handed
             return self._error is None

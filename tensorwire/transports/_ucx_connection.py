@@ -68,6 +68,9 @@ class UCXConnection(Receiving, RefusedSkipping, Connection):
     """A ucx:// connection: UCX endpoint for data, tcp:// for control."""
 
     scheme = "ucx"
+    # Each message's header moves last_activity as it arrives
+    # (Receiving._header_arrived).
+    stamps_messages = True
 
     def __init__(
         self,

@@ -716,3 +716,22 @@ async def test_large_frames_land_in_freed_buffers_and_never_in_held_ones(listen_
             assert np.array_equal(frame, pattern(size, seed))
             del frame
         assert pool.stats().misses == misses
+
+
+async def test_a_transport_that_stamps_messages_moves_last_activity_with_each(
+    listen_url: str,
+) -> None:
+    # The RPC driver leaves the liveness time of each message to such a
+    # transport (conn.stamps_messages), small messages included.
+    async with serving(listen_url) as listener, await connect(listener.address) as conn:
+        if not conn.stamps_messages:
+            assert conn.last_activity is None
+            return
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            before = loop.time()
+            await asyncio.sleep(0.01)
+            await conn.send([b"x"])
+            await conn.recv()
+            activity = conn.last_activity
+            assert activity is not None and activity > before
