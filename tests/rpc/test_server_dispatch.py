@@ -6,9 +6,7 @@ to the timeline."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,6 +16,8 @@ from tensorwire import rpc
 from tensorwire.errors import DeadlineExceeded, Internal, InvalidArgument, NotFound
 from tensorwire.rpc import ServerConfig
 from tensorwire.timeline import Timeline
+
+from .test_rpc import serving
 
 _TAG: contextvars.ContextVar[str] = contextvars.ContextVar("dispatch_tag", default="unset")
 
@@ -86,17 +86,6 @@ class Steps(rpc.Service):
             self.running -= 1
 
 
-@contextlib.asynccontextmanager
-async def serving(url: str, steps: Steps,
-                  config: ServerConfig | None = None) -> AsyncIterator[tw.Server]:
-    server = tw.Server([steps], config=config)
-    await server.start(url)
-    try:
-        yield server
-    finally:
-        await server.close(grace=0)
-
-
 async def test_handlers_that_suspend_or_not_answer_alike(url: str) -> None:
     async with serving(url, Steps()) as server, tw.connect(server.addresses[0]) as client:
         assert await client.call("Steps.at_once", 1) == 2
@@ -138,7 +127,7 @@ async def test_handler_errors_reach_the_client_alike(url: str, method: str) -> N
 async def test_calls_answered_at_once_are_in_metrics_and_timeline() -> None:
     timeline = Timeline()
     config = ServerConfig(timeline=timeline)
-    async with serving("tcp://127.0.0.1:0", Steps(), config) as server, \
+    async with serving("tcp://127.0.0.1:0", Steps(), config=config) as server, \
             tw.connect(server.addresses[0]) as client:
         for i in range(3):
             await client.call("Steps.at_once", i)
@@ -192,7 +181,7 @@ async def test_deadline_and_cancel_reach_a_handler_that_suspends(url: str) -> No
 async def test_a_call_that_waits_for_a_server_slot_runs_in_a_task() -> None:
     steps = Steps()
     config = ServerConfig(max_concurrent=1)
-    async with serving("tcp://127.0.0.1:0", steps, config) as server, \
+    async with serving("tcp://127.0.0.1:0", steps, config=config) as server, \
             tw.connect(server.addresses[0]) as client:
         holder = asyncio.create_task(client.call("Steps.suspends", 1, "holder"))
         for _ in range(100):
