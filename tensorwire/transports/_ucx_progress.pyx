@@ -99,27 +99,42 @@ cdef class Progress:
     flight, the spin gate, and whether a pass is scheduled.
 
     ``on_armed`` is called when the worker was armed with requests still
-    in flight (the runtime's watchdog)."""
+    in flight, and ``on_active`` at the first post or completion after the
+    runtime set :attr:`quiet` (both for the runtime's watchdog)."""
 
     cdef object worker
     cdef object loop
     cdef object on_armed
+    cdef object on_active
+    #: Set by the runtime while its watchdog waits long; cleared (and
+    #: ``on_active`` called) by the next post or completion.
+    cdef public bint quiet
     cdef object _run  # this object's run(), bound once
     cdef list _entries
     cdef readonly SpinGate gate
+    #: How many requests have completed so far (the runtime's watchdog
+    #: tells by it whether its pass found any).
+    cdef readonly Py_ssize_t completions
+    #: How many passes (:meth:`run`) so far: whether the worker was
+    #: progressed since the runtime's watchdog last looked.
+    cdef readonly Py_ssize_t passes
     cdef bint polling
     cdef bint _scheduled
     cdef readonly bint stopped
 
-    def __init__(self, worker, loop, bint polling, SpinGate gate, on_armed):
+    def __init__(self, worker, loop, bint polling, SpinGate gate, on_armed, on_active):
         self.worker = worker
         self.loop = loop
         self.polling = polling
         self.gate = gate
         self.on_armed = on_armed
+        self.on_active = on_active
+        self.quiet = False
         self._entries = []
         self._scheduled = False
         self.stopped = False
+        self.completions = 0
+        self.passes = 0
         self._run = self.run
 
     @property
@@ -138,6 +153,20 @@ cdef class Progress:
 
     cpdef kick(self):
         """Progress the worker soon (after posting a request)."""
+        self._active()
+        self._schedule()
+
+    cpdef posted(self):
+        """A request was posted that UCX completed at once (nothing to
+        watch, no pass needed): still activity, for the watchdog."""
+        self._active()
+
+    cdef _active(self):
+        if self.quiet:
+            self.quiet = False
+            self.on_active()
+
+    cdef _schedule(self):
         if not self._scheduled and not self.stopped:
             self._scheduled = True
             self.loop.call_soon(self._run)
@@ -167,6 +196,8 @@ cdef class Progress:
             return
         # Callbacks may watch new requests: they go to the new list.
         self._entries = waiting
+        self.completions += len(done)
+        self._active()
         self.gate.completed()
         for entry in done:
             try:
@@ -180,6 +211,7 @@ cdef class Progress:
         while requests wait and the mode or the spin window says so."""
         cdef int rounds
         self._scheduled = False
+        self.passes += 1
         if self.stopped:
             return
         try:
@@ -198,7 +230,7 @@ cdef class Progress:
                     return
         except Exception:
             logger.exception("UCX progress failed")
-        self.kick()
+        self._schedule()
 
     def stop(self):
         """No more passes (the worker is being destroyed)."""
@@ -219,6 +251,8 @@ cdef class Progress:
         self._entries = []
         self.worker = None
         self.on_armed = None
+        self.on_active = None
+        self.quiet = False
         self._run = None
         unfinished = [entry.keep for entry in entries if not entry.request.completed]
         for entry in entries:

@@ -31,6 +31,16 @@ usual placement on a host whose cores are busy), and polling on only takes
 the CPU it needs. With both, two processes on one CPU took about 2 ms per
 tiny call: each side polled until the millisecond ticked over.
 
+UCX does not announce every completion on that descriptor: requests that
+an endpoint's close cancels complete in a later progress with no event, and
+under load (a greedy peer, busy cores) a receive now and then completes with
+the worker armed and no wake-up, over shared memory and TCP alike. So while
+requests are in flight and the worker sleeps, a watchdog progresses it
+anyway: 2 ms after activity, doubling while its passes find nothing (an idle
+connection costs about two wake-ups a second), back to 2 ms at the next
+activity or when a pass finds a completion. With a fixed 0.5 s it did
+catch them, but a missed receive then held a call for half a second.
+
 The runtime is reference counted: listeners and connections hold it, and when
 the last one is gone the worker and context are destroyed, so a process (or
 a test suite, with one event loop per test) leaves no UCX state behind.
@@ -54,9 +64,13 @@ __all__ = ("Runtime", "SpinGate", "acquire", "active_runtime", "applied_environm
 
 logger = logging.getLogger(__name__)
 
-#: While requests are in flight, progress at least this often (seconds) even
-#: without an event: a safety net for a transport that signals no event.
-_WATCHDOG_S = 0.5
+#: While requests are in flight and the worker sleeps on its descriptor,
+#: progress anyway after this long (seconds): a safety net for completions
+#: UCX signals no event for (a missed wake-up, or requests an endpoint's close
+#: cancels). The delay doubles, up to _WATCHDOG_MAX_S, while these passes
+#: find nothing, and is back to _WATCHDOG_FIRST_S at the next activity.
+_WATCHDOG_FIRST_S = 0.002
+_WATCHDOG_MAX_S = 0.5
 
 #: The UCX environment applied in this process (None until the first use).
 _applied_env: dict[str, str] | None = None
@@ -191,14 +205,23 @@ class Runtime:
         self.cuda_support: bool = bool(self.context.cuda_support)
         self.spin_gate = SpinGate(spin)
         self._progress = Progress(self.worker, loop, progress_mode == "polling",
-                                  self.spin_gate, self._arm_watchdog)
+                                  self.spin_gate, self._arm_watchdog, self._near_watchdog)
         #: ``watch(request, keep, callback)``: call ``callback(request)`` on
         #: the loop once ``request`` completes; ``keep`` (its buffer) stays
         #: referenced until then (Progress.watch).
         self.watch: Callable[[Any, Any, Callback], None] = self._progress.watch
         #: ``kick()``: progress the worker soon, after posting a request.
         self.kick: Callable[[], None] = self._progress.kick
+        #: ``posted()``: a request was posted that UCX completed at once.
+        self.posted: Callable[[], None] = self._progress.posted
         self._watchdog: asyncio.TimerHandle | None = None
+        #: The delay the next (or the pending) watchdog pass is set for.
+        self.watchdog_delay = _WATCHDOG_FIRST_S
+        self._in_watchdog = False
+        self._passes_seen = 0
+        #: Watchdog passes that found completed requests: completions UCX
+        #: raised no event for (or raised it just as the pass ran).
+        self.watchdog_finds = 0
         self._ids: set[int] = set()
         assert self._fd is not None
         loop.add_reader(self._fd, self._progress.run)
@@ -266,13 +289,48 @@ class Runtime:
     # -- progress ---------------------------------------------------------------
 
     def _arm_watchdog(self) -> None:
-        """The worker was armed with requests in flight."""
-        if self._watchdog is None:
-            self._watchdog = self.loop.call_later(_WATCHDOG_S, self._on_watchdog)
+        """The worker was armed with requests in flight (after every pass
+        that ends asleep, so this stays cheap)."""
+        if self._watchdog is None and not self._in_watchdog:
+            self._schedule_watchdog()
+
+    def _near_watchdog(self) -> None:
+        """Activity after a quiet spell (the first post or completion), with
+        the next pass far off: a completion missed now would wait for it."""
+        self.watchdog_delay = _WATCHDOG_FIRST_S
+        if self._watchdog is not None and not self._in_watchdog:
+            self._watchdog.cancel()
+            self._schedule_watchdog()
+
+    def _schedule_watchdog(self) -> None:
+        self._passes_seen = self._progress.passes
+        self._watchdog = self.loop.call_later(self.watchdog_delay, self._on_watchdog)
 
     def _on_watchdog(self) -> None:
+        """Progress, unless a pass ran since the last look (it found what
+        had completed: progress and the scan are worker-wide). The next look
+        comes soon after activity or a find, later (doubling) after neither."""
         self._watchdog = None
-        self._progress.run()
+        progress = self._progress
+        if progress.passes != self._passes_seen:
+            self.watchdog_delay = _WATCHDOG_FIRST_S
+        else:
+            completed = progress.completions
+            self._in_watchdog = True
+            try:
+                progress.run()
+            finally:
+                self._in_watchdog = False
+            if progress.completions != completed:
+                self.watchdog_finds += 1
+                self.watchdog_delay = _WATCHDOG_FIRST_S
+                logger.debug("UCX watchdog pass found %d completion(s) no event announced",
+                             progress.completions - completed)
+            else:
+                self.watchdog_delay = min(2 * self.watchdog_delay, _WATCHDOG_MAX_S)
+        progress.quiet = self.watchdog_delay > _WATCHDOG_FIRST_S
+        if progress.waiting and self._fd is not None:
+            self._schedule_watchdog()
 
 
 def translate(runtime: Runtime | None, exc: BaseException, what: str) -> TransportError:

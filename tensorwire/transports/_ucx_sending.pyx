@@ -129,6 +129,7 @@ def post_messages(object conn, object messages):
     conn.messages_sent += count
     conn.bytes_sent += nbytes
     if not waiting:
+        rt.posted()
         return None
     done = conn._loop.create_future()
     sends = _SendsInFlight(conn, rt, done, len(waiting))

@@ -9,13 +9,8 @@ millisecond boundary, while the peer it waited for could not run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import os
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +19,7 @@ from tensorwire.transports import connect
 from tensorwire.transports._ucx_progress import SPIN_SKIP_FIRST, SPIN_SKIP_MAX, SpinGate
 from tensorwire.transports._ucx_runtime import active_runtime
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._ucx_echo_process import ucx_echo_process
 
 
 class FakeClock:
@@ -101,63 +96,28 @@ def test_an_answer_within_the_window_resets_the_backoff() -> None:
     assert completions_skipped(gate) == SPIN_SKIP_FIRST  # the shortest skip again
 
 
-_ECHO_SERVER = """
-import asyncio, contextlib, os, sys
-from tensorwire.errors import ConnectionClosedError
-from tensorwire.transports import listen
-
-os.sched_setaffinity(0, {int(sys.argv[2])})
-
-async def main():
-    async def echo(conn):
-        with contextlib.suppress(ConnectionClosedError):
-            while True:
-                await conn.send(await conn.recv())
-    listener = await listen("ucx://127.0.0.1:0", echo)
-    with open(sys.argv[1] + ".tmp", "w") as f:
-        f.write(listener.address)
-    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
-    await asyncio.sleep(60)
-
-asyncio.run(main())
-"""
-
-
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
 async def test_a_pair_on_one_cpu_stops_spinning(tmp_path: Path) -> None:
     """Both processes on one CPU: the answer cannot come while we poll, so
     after a few failed windows the client sleeps at once after each call."""
     cpu = min(os.sched_getaffinity(0))
-    address_file = tmp_path / "address"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", textwrap.dedent(_ECHO_SERVER), str(address_file), str(cpu),
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
     ours = os.sched_getaffinity(0)
-    try:
-        deadline = time.monotonic() + 60
-        while not address_file.exists():
-            assert time.monotonic() < deadline, "server did not start"
-            assert child.returncode is None, "server died"
-            await asyncio.sleep(0.05)
+    async with ucx_echo_process(tmp_path, cpu) as address:
         os.sched_setaffinity(0, {cpu})
-        calls = 200
-        async with await connect(address_file.read_text()) as conn:
-            runtime = active_runtime()
-            assert runtime is not None
-            for i in range(calls):
-                payload = i.to_bytes(8, "little")
-                await conn.send([payload])
-                (back,) = await asyncio.wait_for(conn.recv(), 10)
-                assert bytes(back) == payload
-            failed = runtime.spin_gate.failed
-    finally:
-        os.sched_setaffinity(0, ours)
-        with contextlib.suppress(ProcessLookupError):
-            child.kill()
-        await child.wait()
+        try:
+            calls = 200
+            async with await connect(address) as conn:
+                runtime = active_runtime()
+                assert runtime is not None
+                for i in range(calls):
+                    payload = i.to_bytes(8, "little")
+                    await conn.send([payload])
+                    (back,) = await asyncio.wait_for(conn.recv(), 10)
+                    assert bytes(back) == payload
+                failed = runtime.spin_gate.failed
+        finally:
+            os.sched_setaffinity(0, ours)
     # Polling after every completion (the old behaviour, 2 ms a call under
     # uvloop) failed about 170 windows of 200 calls here (the kernel lets the
     # woken peer preempt us now and then); the backoff gives about log2(64)
