@@ -11,12 +11,18 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tensorwire.transports import connect
-from tensorwire.transports._ucx_progress import SPIN_SKIP_FIRST, SPIN_SKIP_MAX, SpinGate
+from tensorwire.transports._ucx_progress import (
+    SPIN_SKIP_FIRST,
+    SPIN_SKIP_MAX,
+    Progress,
+    SpinGate,
+)
 from tensorwire.transports._ucx_runtime import active_runtime
 
 from ._ucx_echo_process import ucx_echo_process
@@ -94,6 +100,49 @@ def test_an_answer_within_the_window_resets_the_backoff() -> None:
     gate.completed()  # the answer came within the open window
     fail_window(gate, clock)  # and the next window fails
     assert completions_skipped(gate) == SPIN_SKIP_FIRST  # the shortest skip again
+
+
+class FakeLoop:
+    """Records what a Progress schedules instead of running it."""
+
+    def __init__(self) -> None:
+        self.scheduled: list[Callable[[], None]] = []
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        self.scheduled.append(callback)
+
+
+class FakeWorker:
+    def progress(self) -> None:
+        pass
+
+    def arm(self) -> bool:
+        return False  # always news: the pass keeps polling
+
+
+class FakeRequest:
+    completed = False
+
+
+def test_passes_from_the_descriptor_keep_one_pass_queued() -> None:
+    # While a window is open the loop's queue holds one pass. The
+    # descriptor (and the watchdog) start passes of their own; they used to
+    # clear the "scheduled" flag too, each adding one more queued pass, so
+    # that during a spin hundreds of passes ran before any other callback
+    # of the loop (a woken caller waited 0.3 ms behind them).
+    clock = FakeClock()
+    gate = SpinGate(1.0, clock)
+    loop = FakeLoop()
+    progress = Progress(FakeWorker(), loop, False, gate, lambda: None, lambda: None)
+    progress.watch(FakeRequest(), None, lambda request: None)
+    assert len(loop.scheduled) == 1
+    gate.completed()  # a window is open: the passes poll on
+    for _ in range(5):
+        progress.run()  # the descriptor is readable on every loop turn
+    assert len(loop.scheduled) == 1
+    loop.scheduled.pop()()  # the queued pass runs, and queues the next
+    assert len(loop.scheduled) == 1
+    assert progress.passes == 6
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
