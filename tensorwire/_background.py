@@ -33,11 +33,24 @@ T = TypeVar("T")
 CLOSE_WAIT = 10.0
 
 
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (a core dependency on
+    Linux), asyncio's elsewhere. A blocking call pays the loop's turns on
+    top of two thread hand-offs: tiny ``rpc.SyncClient`` calls over tcp://
+    took 174-190 µs at the median on uvloop against 228-246 µs on asyncio's
+    loop (the same run, alternating)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class _LoopThread:
     """An event loop in a daemon thread, stopped when its last user leaves."""
 
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self._lock = threading.Lock()
