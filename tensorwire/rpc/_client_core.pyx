@@ -228,8 +228,7 @@ cdef class ClientCore:
 
     cpdef list _encode(self, object value):
         """The frames of ``value``."""
-        header, buffers = self._encoder.encode(value)
-        return [header, *buffers]
+        return self._encoder.encode_frames(value)
 
     cpdef object _result(self, object message, Py_ssize_t nbytes, MethodMetrics metrics,
                          str method):
@@ -242,10 +241,7 @@ cdef class ClientCore:
         metrics.bytes_in += nbytes
         if type(message) is not _Response:
             raise unexpected_answer(message, method)
-        frames = message.value
-        # Without an empty list of buffers: most answers are one frame.
-        return (self._decoder.decode(frames[0]) if len(frames) == 1
-                else self._decoder.decode(frames[0], frames[1:]))
+        return self._decoder.decode_frames(message.value)
 
     cpdef list _encode_arguments(self, tuple args, dict kwargs):
         """The frames of a request's value ``[args, kwargs]``."""

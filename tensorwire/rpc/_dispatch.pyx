@@ -19,6 +19,8 @@ from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyConte
 from cpython.ref cimport PyObject, Py_XDECREF
 
 from .._counters cimport MethodMetrics, now, record_call
+from ..serde._decoder cimport Decoder
+from ..serde._encoder cimport Encoder
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore
 from ._slots cimport Slots
@@ -127,8 +129,8 @@ cdef class RequestDispatch:
     cdef dict _calls
     cdef dict _methods
     cdef Slots _slots
-    cdef object _decoder
-    cdef object _encoder
+    cdef Decoder _decoder
+    cdef Encoder _encoder
     cdef object _timeline
     cdef Py_ssize_t _limit
     cdef DriverCore _driver
@@ -350,7 +352,7 @@ async def run_call(ServerCall call, Method method):
 
 # --- answers, shared by both paths ------------------------------------------------------
 
-cdef list _response(call_id, Method method, result, encoder):
+cdef list _response(call_id, Method method, result, Encoder encoder):
     """The RESPONSE carrying a unary handler's result."""
     return encode_response(call_id, encode_value(result, method.name, encoder))
 
@@ -374,17 +376,14 @@ cdef void _post(DriverCore driver, MethodMetrics metrics, list frames) except *:
         metrics.bytes_out += sent
 
 
-cpdef tuple unpack_arguments(object request, Method method, object decoder):
+cpdef tuple unpack_arguments(object request, Method method, Decoder decoder):
     """A request's ``(args, kwargs)``.
 
     Raises:
         InvalidArgument: the value does not decode, or is not [args, kwargs].
     """
-    frames = request.value
     try:
-        # Without an empty list of buffers: most requests are one frame.
-        value = (decoder.decode(frames[0]) if len(frames) == 1
-                 else decoder.decode(frames[0], frames[1:]))
+        value = decoder.decode_frames(request.value)
     except _DecodeError as exc:
         raise InvalidArgument(f"the arguments of {method.name} do not decode: {exc}") from None
     if type(value) is list and len(value) == 2:
@@ -403,17 +402,16 @@ cpdef tuple unpack_arguments(object request, Method method, object decoder):
     return (args if type(args) is list else list(args)), value[1]
 
 
-cpdef list encode_value(object value, str method_name, object encoder):
+cpdef list encode_value(object value, str method_name, Encoder encoder):
     """The frames of a handler's result or stream item.
 
     Raises:
         Internal: the value cannot be encoded.
     """
     try:
-        header, buffers = encoder.encode(value)
+        return encoder.encode_frames(value)
     except _EncodeError as exc:
         raise Internal(f"the result of {method_name} cannot be encoded: {exc}") from None
-    return [header, *buffers]
 
 
 # --- errors to ERROR messages ----------------------------------------------------------
