@@ -12,6 +12,7 @@ which stays right on any other.
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.object cimport PyObject, PyTypeObject
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.math cimport isfinite, signbit
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
@@ -60,6 +61,17 @@ cdef inline void _bind_classes():
     from . import protocol
 
     _Request, _Response, _Item = protocol.Request, protocol.Response, protocol.Item
+
+
+cdef tuple _NO_ARGS = ()
+
+
+cdef inline object _blank(type cls):
+    """A new message of ``cls`` (a slotted dataclass) whose fields the
+    caller fills in: made by the type's own C allocator, without the
+    generated __init__ (a Python frame per message) or a lookup of
+    ``__new__``."""
+    return (<PyTypeObject*>cls).tp_new(cls, <PyObject*>_NO_ARGS, NULL)
 
 
 # --- little-endian fields ------------------------------------------------------
@@ -141,10 +153,7 @@ cdef object _parse_reply(int kind, const uint8_t* data, Py_ssize_t size, object 
     if call_id >= _CALL_ID_END:
         raise ProtocolError(f"bad call id {call_id}")
     value = _value(frames, _tail(raw, data, REPLY_SIZE, size))
-    # The message classes are slotted dataclasses: filled in here without
-    # their generated __init__ (a Python frame per message).
-    message = (_Response if kind == KIND_RESPONSE else _Item).__new__(
-        _Response if kind == KIND_RESPONSE else _Item)
+    message = _blank(_Response if kind == KIND_RESPONSE else _Item)
     message.call_id = call_id
     message.value = value
     return message
@@ -179,7 +188,7 @@ cdef object _parse_request(const uint8_t* data, Py_ssize_t size, object raw, obj
     if call_id == 0 or call_id >= _CALL_ID_END:
         # 0 is the connection's own (HELLO, PING, ...), never a call's.
         raise ProtocolError(f"bad call id {call_id} for a REQUEST (0 is reserved)")
-    message = _Request.__new__(_Request)
+    message = _blank(_Request)
     message.call_id = call_id
     message.method = method
     message.timeout = timeout if flags else None
