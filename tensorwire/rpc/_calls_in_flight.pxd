@@ -36,6 +36,8 @@ cdef class UnaryCall:
     # stream of one item (see CallsInFlight.start).
     cdef readonly bint probing
 
+    @staticmethod
+    cdef UnaryCall waiting_on(object future, bint probing)
     cdef void deliver(self, object message, Py_ssize_t nbytes) except *
     cdef bint may_cancel(self)
 

@@ -21,8 +21,6 @@ class UnaryCall:
     state: CallState
     call_id: int
     probing: bool
-    def __init__(self, future: asyncio.Future[tuple[Message, int]],
-                 probing: bool = False) -> None: ...
 
 class CallsInFlight:
     pending: dict[int, Any]

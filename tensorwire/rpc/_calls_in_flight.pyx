@@ -143,11 +143,17 @@ cdef class UnaryCall:
     # Its fields are declared in _calls_in_flight.pxd: future, state,
     # call_id, probing.
 
-    def __init__(self, future, bint probing=False):
-        self.future = future
+    @staticmethod
+    cdef UnaryCall waiting_on(object future, bint probing):
+        """A call whose caller waits on ``future``; made by C calls (the
+        type's allocator, no ``__init__`` to parse arguments for)."""
+        cdef UnaryCall call = UnaryCall.__new__(UnaryCall)
+        call.future = future
         # A probing call asks for a stream of one item (see the module).
-        self.state = CallState(_CLIENT, False, True, 1) if probing else CallState(_CLIENT)
-        self.probing = probing
+        call.state = (CallState.__new__(CallState, _CLIENT, False, True, 1) if probing
+                      else CallState.__new__(CallState, _CLIENT))
+        call.probing = probing
+        return call
 
     cdef void deliver(self, object message, Py_ssize_t nbytes) except *:
         """A message of this call from the server; the state machine says
@@ -264,7 +270,8 @@ cdef class CallsInFlight:
             DeadlineExceeded: the deadline passed before the call was sent.
             Unavailable: the connection is gone.
         """
-        cdef UnaryCall call = UnaryCall(self._loop.create_future(), method not in self._unary)
+        cdef UnaryCall call = UnaryCall.waiting_on(self._loop.create_future(),
+                                                   method not in self._unary)
         call.state.send(_REQUEST)
         call.call_id = self.request(driver, method, deadline, now, -1, payload, call, metrics,
                                     grace)

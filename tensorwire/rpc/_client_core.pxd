@@ -5,12 +5,14 @@ from .._counters cimport MethodMetrics
 from ..serde._decoder cimport Decoder
 from ..serde._encoder cimport Encoder
 from ._calls_in_flight cimport CallsInFlight, UnaryCall
+from ._driver_core cimport DriverCore
 from ._slots cimport Slots
 
 
 cdef class SessionCore:
     cdef public object loop
-    cdef public object driver
+    # Its ConnectionDriver (None until connected): read by C calls.
+    cdef public DriverCore driver
     cdef public Slots slots
     cdef public CallsInFlight calls
     cdef public object error

@@ -104,9 +104,10 @@ cdef class SessionCore:
         return self.driver is not None and self.driver.error is None
 
     cpdef bint take_slot(self):
-        """Take a call slot, if a call can start at once: one is free and
-        the output to the server is under its bound."""
-        return not self.driver.reading_paused and self.slots.try_acquire()
+        """Take a call slot, if a call can start at once: connected, one is
+        free and the output to the server is under its bound."""
+        return (self.connected() and not self.driver.reading_paused
+                and self.slots.try_acquire())
 
     cdef UnaryCall start(self, str method, double deadline, double now, list payload,
                          MethodMetrics metrics):
