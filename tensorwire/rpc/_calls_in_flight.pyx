@@ -168,7 +168,7 @@ cdef class UnaryCall:
     cdef bint may_cancel(self):
         """Whether the server is to hear of this call's end (CANCEL): not
         after its answer, once after its deadline."""
-        return not self.state.done or self.state.outcome == _EXPIRED
+        return not self.state.ended() or self.state.outcome == _EXPIRED
 
 
 # Its typed field in_order is used by fail_all(), which runs from a

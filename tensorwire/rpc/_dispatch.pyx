@@ -171,11 +171,12 @@ cdef class RequestDispatch:
             return
         method = self._methods.get(request.method)
         if (method is not None and (<Method>method).at_once and request.stream_arg < 0
-                and self._run_at_once(request, nbytes, method)):
+                and self._run_at_once(request, call_id, nbytes, method)):
             return
         self._start_call(self._call_class(self._session, request, nbytes), method)
 
-    cdef bint _run_at_once(self, request, Py_ssize_t nbytes, Method method) except -1:
+    cdef bint _run_at_once(self, request, call_id, Py_ssize_t nbytes,
+                           Method method) except -1:
         """Run a call of an ``at_once`` method to its end, now: its handler's
         coroutine one step (``PyIter_Send``, which ends it), in a copy of
         the current context as a task would have, then its answer. False,
@@ -187,7 +188,6 @@ cdef class RequestDispatch:
         cdef double started = now()
         cdef MethodMetrics metrics = method.metrics
         metrics.bytes_in += nbytes
-        call_id = request.call_id
         cdef bint failed = True
         cdef bint suspended
         cdef PyObject *out = NULL
@@ -212,10 +212,10 @@ cdef class RequestDispatch:
         except _CancelledError:
             pass  # a handler that cancels itself gets no reply, as in a task
         except Exception as exc:
-            reply = _error(request.method, call_id, exc)
+            reply = _error(method.name, call_id, exc)
         finally:
             slots.release()
-            record_call(metrics, self._timeline, request.method, "rpc.server", started, failed)
+            record_call(metrics, self._timeline, method.name, "rpc.server", started, failed)
         if reply is not None:
             _post(self._driver, metrics, reply)
         return True
