@@ -28,7 +28,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from .._counters cimport MethodMetrics
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore
-from ._wire cimport encode_request
+from ._wire cimport Response, encode_request
 
 import asyncio
 from heapq import heapify, heappop, heappush
@@ -37,7 +37,6 @@ from ..errors import DeadlineExceeded, Unavailable
 from . import protocol
 from ._calls import CLIENT, EXPIRED, RESPONDED
 
-cdef object _Response = protocol.Response
 cdef int _CLIENT = CLIENT
 cdef int _EXPIRED = EXPIRED
 cdef int _RESPONDED = RESPONDED
@@ -161,7 +160,7 @@ cdef class UnaryCall:
         one the server may not send is a ProtocolError). A probing call's
         wait ends with the stream's first ITEM or END too: its caller
         reports the mismatch."""
-        cdef int kind = _RESPONSE if type(message) is _Response else message.kind
+        cdef int kind = _RESPONSE if type(message) is Response else message.kind
         if self.state.receive(kind) and not self.future.done():
             self.future.set_result((message, nbytes))
 

@@ -10,6 +10,7 @@ reads it) with opening the connection and its message handlers.
 from .._counters cimport MethodMetrics, record_call
 from ._calls_in_flight cimport CallsInFlight, UnaryCall
 from ._slots cimport Slots
+from ._wire cimport Response
 
 import asyncio
 import collections.abc
@@ -34,7 +35,6 @@ logger = logging.getLogger("tensorwire.rpc.client")
 cdef double DEADLINE_GRACE = 0.05
 
 cdef double _LONGEST = LONGEST
-cdef object _Response = protocol.Response
 cdef object _Error = protocol.Error
 cdef object _Item = protocol.Item
 cdef object _End = protocol.End
@@ -240,9 +240,9 @@ cdef class ClientCore:
             ProtocolError: the answer is neither RESPONSE nor ERROR.
         """
         metrics.bytes_in += nbytes
-        if type(message) is not _Response:
+        if type(message) is not Response:
             raise unexpected_answer(message, method)
-        return self._decoder.decode_frames(message.value)
+        return self._decoder.decode_frames((<Response>message).value)
 
     cpdef list _encode_arguments(self, tuple args, dict kwargs):
         """The frames of a request's value ``[args, kwargs]``."""

@@ -24,7 +24,7 @@ from ..serde._encoder cimport Encoder
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore
 from ._slots cimport Slots
-from ._wire cimport encode_response
+from ._wire cimport Request, encode_response
 
 import asyncio
 import logging
@@ -61,7 +61,6 @@ cdef object _CancelledError = asyncio.CancelledError
 cdef object _EncodeError = serde.EncodeError
 cdef object _DecodeError = serde.DecodeError
 cdef object _encode_message = protocol.encode
-cdef object _Request = protocol.Request
 cdef int _SERVER = SERVER
 cdef int _REQUEST = protocol.Kind.REQUEST
 cdef int _RESPONSE = protocol.Kind.RESPONSE
@@ -151,12 +150,12 @@ cdef class RequestDispatch:
         self._driver = driver
 
     def on_message(self, message, Py_ssize_t nbytes):
-        if type(message) is _Request:
-            self._start(message, nbytes)
+        if type(message) is Request:
+            self._start(<Request>message, nbytes)
         else:
             self._on_other(message, nbytes)
 
-    cdef void _start(self, request, Py_ssize_t nbytes) except *:
+    cdef void _start(self, Request request, Py_ssize_t nbytes) except *:
         call_id = request.call_id
         if call_id in self._calls:
             raise ProtocolError(f"call id {call_id} is already in use")
@@ -175,7 +174,7 @@ cdef class RequestDispatch:
             return
         self._start_call(self._call_class(self._session, request, nbytes), method)
 
-    cdef bint _run_at_once(self, request, call_id, Py_ssize_t nbytes,
+    cdef bint _run_at_once(self, Request request, call_id, Py_ssize_t nbytes,
                            Method method) except -1:
         """Run a call of an ``at_once`` method to its end, now: its handler's
         coroutine one step (``PyIter_Send``, which ends it), in a copy of
@@ -280,7 +279,7 @@ cdef class ServerCall:
 async def run_call(ServerCall call, Method method):
     """The path of every call that runs in a task (see the module);
     ``method`` is None for a method the server does not have (NOT_FOUND)."""
-    request = call.request
+    cdef Request request = call.request
     session = call.session
     # A local of the coroutine, not a field: a coroutine's locals are not
     # cleared by the GC, so the finally below never sees it None.
@@ -376,7 +375,7 @@ cdef void _post(DriverCore driver, MethodMetrics metrics, list frames) except *:
         metrics.bytes_out += sent
 
 
-cpdef tuple unpack_arguments(object request, Method method, Decoder decoder):
+cpdef tuple unpack_arguments(Request request, Method method, Decoder decoder):
     """A request's ``(args, kwargs)``.
 
     Raises:
