@@ -194,10 +194,8 @@ cdef class Encoder:
         Raises:
             EncodeError: as ``encode``.
         """
-        cdef list bufs = []
-        cdef list frames = [self._encode(obj, bufs)]
-        if bufs:
-            frames.extend(bufs)
+        cdef list frames = []  # the buffers, then the header in front: one list
+        frames.insert(0, self._encode(obj, frames))
         return frames
 
     cdef bytes _encode(self, object obj, list bufs):
