@@ -17,10 +17,12 @@ class DeadlineQueue:
     def __len__(self) -> int: ...
 
 class UnaryCall:
-    future: asyncio.Future[tuple[Message, int]]
+    future: asyncio.Future[None]
     state: CallState
     call_id: int
     probing: bool
+    answer: Message | None
+    answer_bytes: int
 
 class CallsInFlight:
     pending: dict[int, Any]

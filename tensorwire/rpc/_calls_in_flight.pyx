@@ -3,8 +3,9 @@
 waits for the answer, the REQUEST that starts a call, the RESPONSE that
 resolves it, and the calls' deadlines on one loop timer.
 
-A plain unary call is a ``UnaryCall`` here: its future, resolved with
-``(message, nbytes)``, and its ``CallState`` (``_calls``), which every
+A plain unary call is a ``UnaryCall`` here: its future, resolved (with
+None) once its answer and the answer's size are kept on it (``answer``,
+``answer_bytes``: no tuple per call), and its ``CallState`` (``_calls``), which every
 message of the call goes through. The client's ``_call`` starts one
 (``CallsInFlight.start``), awaits its future and ends it
 (``CallsInFlight.end``): C calls, no coroutine of their own. Any other
@@ -162,7 +163,9 @@ cdef class UnaryCall:
         reports the mismatch."""
         cdef int kind = _RESPONSE if type(message) is Response else message.kind
         if self.state.receive(kind) and not self.future.done():
-            self.future.set_result((message, nbytes))
+            self.answer = message
+            self.answer_bytes = nbytes
+            self.future.set_result(None)
 
     cdef bint may_cancel(self):
         """Whether the server is to hear of this call's end (CANCEL): not
@@ -252,8 +255,8 @@ cdef class CallsInFlight:
                          list payload, MethodMetrics metrics, double grace):
         """A unary call without a streamed argument, its REQUEST posted (see
         ``request``); the caller holds its slot, awaits its ``future``
-        (``(message, nbytes)``) and then calls ``end``, however the wait
-        ended.
+        (then the answer is ``call.answer``, of ``call.answer_bytes``) and
+        then calls ``end``, however the wait ended.
 
         The request is queued without waiting: the answer cannot come
         before it has gone. A call that ends early (deadline, cancel) may

@@ -168,9 +168,10 @@ cdef class ClientCore:
                     else:
                         call = session.start(method, deadline, now, payload, metrics)
                         try:
-                            message, nbytes = await call.future
+                            await call.future
                         finally:
                             session.end(call, method)
+                        message, nbytes = call.answer, call.answer_bytes
                 except Unavailable:
                     if not retry:
                         raise
