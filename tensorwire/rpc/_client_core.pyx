@@ -7,7 +7,8 @@ a Python frame. ``Client`` (client.py) is ``ClientCore`` with the API;
 reads it) with opening the connection and its message handlers.
 """
 
-from .._counters cimport MethodMetrics, record_call
+# now(): time.perf_counter(), read in C (the clock of record_call).
+from .._counters cimport MethodMetrics, now as perf_now, record_call
 from ._calls_in_flight cimport CallsInFlight, UnaryCall
 from ._slots cimport Slots
 from ._wire cimport Response
@@ -16,7 +17,6 @@ import asyncio
 import collections.abc
 import logging
 import math
-import time
 
 from ..errors import (
     ConfigError,
@@ -40,7 +40,6 @@ cdef object _Item = protocol.Item
 cdef object _End = protocol.End
 cdef object _AsyncIterable = collections.abc.AsyncIterable
 cdef object _get_running_loop = asyncio.get_running_loop
-cdef object _perf_counter = time.perf_counter
 #: Argument types that are never async iterables, checked first: the ABC's
 #: isinstance() costs several times a set lookup, for every argument.
 cdef frozenset _PLAIN = frozenset({int, float, str, bytes, bool, type(None), list, tuple, dict})
@@ -146,7 +145,7 @@ cdef class ClientCore:
         payload = self._encode_arguments(args, kwargs)
         cdef MethodMetrics metrics = self._metrics[method]
         cdef bint retry = idempotent and source is None  # once, after losing the connection
-        cdef double started = _perf_counter()
+        cdef double started = perf_now()
         cdef double now = self._now()
         cdef double deadline = now + self._timeout(timeout)
         cdef SessionCore session
