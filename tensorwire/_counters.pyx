@@ -134,9 +134,14 @@ cdef class MethodMetrics:
         }
 
 
-class Metrics(dict):
+cdef class Metrics(dict):
     """Metrics of every method seen, by name; ``metrics[name]`` makes them
-    on first use (a dict: a lookup of a known name runs no Python code)."""
+    on first use (a dict: a lookup of a known name runs no Python code).
+
+    A compiled subclass, not a Python one: a Python subclass of dict looks
+    ``metrics[name]`` up through its ``__getitem__`` method (a Python-level
+    call per lookup, the client's per call), a compiled one keeps dict's
+    own C lookup."""
 
     def __missing__(self, name):
         found = self[name] = MethodMetrics()

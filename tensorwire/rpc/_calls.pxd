@@ -28,5 +28,6 @@ cdef class CallState:
     cpdef bint expire(self)
     cpdef long long open_window(self) except -1
     cpdef long long consume(self) except -1
+    cdef bint ended(self) noexcept
     cdef int _end(self, int outcome, bint by_peer) except -1
     cdef int _send_after_end(self, int kind) except -1

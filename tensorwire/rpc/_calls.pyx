@@ -158,6 +158,10 @@ cdef class CallState:
     @property
     def done(self):
         """True once the call has its terminal outcome."""
+        return self.ended()
+
+    cdef bint ended(self) noexcept:
+        """``done``, for a C caller."""
         return self.outcome != _OPEN
 
     def __repr__(self):

@@ -35,7 +35,13 @@ cdef class UnaryCall:
     # The call's first of its method on the connection: it asked for a
     # stream of one item (see CallsInFlight.start).
     cdef readonly bint probing
+    # The message that ended the wait, and its size (set before the future
+    # is resolved).
+    cdef readonly object answer
+    cdef readonly Py_ssize_t answer_bytes
 
+    @staticmethod
+    cdef UnaryCall waiting_on(object future, bint probing)
     cdef void deliver(self, object message, Py_ssize_t nbytes) except *
     cdef bint may_cancel(self)
 

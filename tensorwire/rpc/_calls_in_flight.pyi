@@ -17,12 +17,12 @@ class DeadlineQueue:
     def __len__(self) -> int: ...
 
 class UnaryCall:
-    future: asyncio.Future[tuple[Message, int]]
+    future: asyncio.Future[None]
     state: CallState
     call_id: int
     probing: bool
-    def __init__(self, future: asyncio.Future[tuple[Message, int]],
-                 probing: bool = False) -> None: ...
+    answer: Message | None
+    answer_bytes: int
 
 class CallsInFlight:
     pending: dict[int, Any]

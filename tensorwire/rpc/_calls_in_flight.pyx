@@ -3,8 +3,9 @@
 waits for the answer, the REQUEST that starts a call, the RESPONSE that
 resolves it, and the calls' deadlines on one loop timer.
 
-A plain unary call is a ``UnaryCall`` here: its future, resolved with
-``(message, nbytes)``, and its ``CallState`` (``_calls``), which every
+A plain unary call is a ``UnaryCall`` here: its future, resolved (with
+None) once its answer and the answer's size are kept on it (``answer``,
+``answer_bytes``: no tuple per call), and its ``CallState`` (``_calls``), which every
 message of the call goes through. The client's ``_call`` starts one
 (``CallsInFlight.start``), awaits its future and ends it
 (``CallsInFlight.end``): C calls, no coroutine of their own. Any other
@@ -28,7 +29,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from .._counters cimport MethodMetrics
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore
-from ._wire cimport encode_request
+from ._wire cimport Response, encode_request
 
 import asyncio
 from heapq import heapify, heappop, heappush
@@ -37,7 +38,6 @@ from ..errors import DeadlineExceeded, Unavailable
 from . import protocol
 from ._calls import CLIENT, EXPIRED, RESPONDED
 
-cdef object _Response = protocol.Response
 cdef int _CLIENT = CLIENT
 cdef int _EXPIRED = EXPIRED
 cdef int _RESPONDED = RESPONDED
@@ -143,11 +143,17 @@ cdef class UnaryCall:
     # Its fields are declared in _calls_in_flight.pxd: future, state,
     # call_id, probing.
 
-    def __init__(self, future, bint probing=False):
-        self.future = future
+    @staticmethod
+    cdef UnaryCall waiting_on(object future, bint probing):
+        """A call whose caller waits on ``future``; made by C calls (the
+        type's allocator, no ``__init__`` to parse arguments for)."""
+        cdef UnaryCall call = UnaryCall.__new__(UnaryCall)
+        call.future = future
         # A probing call asks for a stream of one item (see the module).
-        self.state = CallState(_CLIENT, False, True, 1) if probing else CallState(_CLIENT)
-        self.probing = probing
+        call.state = (CallState.__new__(CallState, _CLIENT, False, True, 1) if probing
+                      else CallState.__new__(CallState, _CLIENT))
+        call.probing = probing
+        return call
 
     cdef void deliver(self, object message, Py_ssize_t nbytes) except *:
         """A message of this call from the server; the state machine says
@@ -155,14 +161,16 @@ cdef class UnaryCall:
         one the server may not send is a ProtocolError). A probing call's
         wait ends with the stream's first ITEM or END too: its caller
         reports the mismatch."""
-        cdef int kind = _RESPONSE if type(message) is _Response else message.kind
+        cdef int kind = _RESPONSE if type(message) is Response else message.kind
         if self.state.receive(kind) and not self.future.done():
-            self.future.set_result((message, nbytes))
+            self.answer = message
+            self.answer_bytes = nbytes
+            self.future.set_result(None)
 
     cdef bint may_cancel(self):
         """Whether the server is to hear of this call's end (CANCEL): not
         after its answer, once after its deadline."""
-        return not self.state.done or self.state.outcome == _EXPIRED
+        return not self.state.ended() or self.state.outcome == _EXPIRED
 
 
 # Its typed field in_order is used by fail_all(), which runs from a
@@ -247,8 +255,8 @@ cdef class CallsInFlight:
                          list payload, MethodMetrics metrics, double grace):
         """A unary call without a streamed argument, its REQUEST posted (see
         ``request``); the caller holds its slot, awaits its ``future``
-        (``(message, nbytes)``) and then calls ``end``, however the wait
-        ended.
+        (then the answer is ``call.answer``, of ``call.answer_bytes``) and
+        then calls ``end``, however the wait ended.
 
         The request is queued without waiting: the answer cannot come
         before it has gone. A call that ends early (deadline, cancel) may
@@ -264,7 +272,8 @@ cdef class CallsInFlight:
             DeadlineExceeded: the deadline passed before the call was sent.
             Unavailable: the connection is gone.
         """
-        cdef UnaryCall call = UnaryCall(self._loop.create_future(), method not in self._unary)
+        cdef UnaryCall call = UnaryCall.waiting_on(self._loop.create_future(),
+                                                   method not in self._unary)
         call.state.send(_REQUEST)
         call.call_id = self.request(driver, method, deadline, now, -1, payload, call, metrics,
                                     grace)

@@ -2,13 +2,17 @@
 # fields). Described in _client_core.pyx.
 
 from .._counters cimport MethodMetrics
+from ..serde._decoder cimport Decoder
+from ..serde._encoder cimport Encoder
 from ._calls_in_flight cimport CallsInFlight, UnaryCall
+from ._driver_core cimport DriverCore
 from ._slots cimport Slots
 
 
 cdef class SessionCore:
     cdef public object loop
-    cdef public object driver
+    # Its ConnectionDriver (None until connected): read by C calls.
+    cdef public DriverCore driver
     cdef public Slots slots
     cdef public CallsInFlight calls
     cdef public object error
@@ -25,8 +29,8 @@ cdef class ClientCore:
     cdef public SessionCore _session
     # The client's own codec (it runs on one event loop's thread): a call
     # each way less than serde's per-thread functions.
-    cdef public object _encoder
-    cdef public object _decoder
+    cdef public Encoder _encoder
+    cdef public Decoder _decoder
     cdef public object _metrics
 
     cpdef double _deadline(self, object timeout) except? -1.0

@@ -7,15 +7,16 @@ a Python frame. ``Client`` (client.py) is ``ClientCore`` with the API;
 reads it) with opening the connection and its message handlers.
 """
 
-from .._counters cimport MethodMetrics, record_call
+# now(): time.perf_counter(), read in C (the clock of record_call).
+from .._counters cimport MethodMetrics, now as perf_now, record_call
 from ._calls_in_flight cimport CallsInFlight, UnaryCall
 from ._slots cimport Slots
+from ._wire cimport Response
 
 import asyncio
 import collections.abc
 import logging
 import math
-import time
 
 from ..errors import (
     ConfigError,
@@ -34,13 +35,11 @@ logger = logging.getLogger("tensorwire.rpc.client")
 cdef double DEADLINE_GRACE = 0.05
 
 cdef double _LONGEST = LONGEST
-cdef object _Response = protocol.Response
 cdef object _Error = protocol.Error
 cdef object _Item = protocol.Item
 cdef object _End = protocol.End
 cdef object _AsyncIterable = collections.abc.AsyncIterable
 cdef object _get_running_loop = asyncio.get_running_loop
-cdef object _perf_counter = time.perf_counter
 #: Argument types that are never async iterables, checked first: the ABC's
 #: isinstance() costs several times a set lookup, for every argument.
 cdef frozenset _PLAIN = frozenset({int, float, str, bytes, bool, type(None), list, tuple, dict})
@@ -104,9 +103,10 @@ cdef class SessionCore:
         return self.driver is not None and self.driver.error is None
 
     cpdef bint take_slot(self):
-        """Take a call slot, if a call can start at once: one is free and
-        the output to the server is under its bound."""
-        return not self.driver.reading_paused and self.slots.try_acquire()
+        """Take a call slot, if a call can start at once: connected, one is
+        free and the output to the server is under its bound."""
+        return (self.connected() and not self.driver.reading_paused
+                and self.slots.try_acquire())
 
     cdef UnaryCall start(self, str method, double deadline, double now, list payload,
                          MethodMetrics metrics):
@@ -145,7 +145,7 @@ cdef class ClientCore:
         payload = self._encode_arguments(args, kwargs)
         cdef MethodMetrics metrics = self._metrics[method]
         cdef bint retry = idempotent and source is None  # once, after losing the connection
-        cdef double started = _perf_counter()
+        cdef double started = perf_now()
         cdef double now = self._now()
         cdef double deadline = now + self._timeout(timeout)
         cdef SessionCore session
@@ -167,9 +167,10 @@ cdef class ClientCore:
                     else:
                         call = session.start(method, deadline, now, payload, metrics)
                         try:
-                            message, nbytes = await call.future
+                            await call.future
                         finally:
                             session.end(call, method)
+                        message, nbytes = call.answer, call.answer_bytes
                 except Unavailable:
                     if not retry:
                         raise
@@ -228,8 +229,7 @@ cdef class ClientCore:
 
     cpdef list _encode(self, object value):
         """The frames of ``value``."""
-        header, buffers = self._encoder.encode(value)
-        return [header, *buffers]
+        return self._encoder.encode_frames(value)
 
     cpdef object _result(self, object message, Py_ssize_t nbytes, MethodMetrics metrics,
                          str method):
@@ -240,12 +240,9 @@ cdef class ClientCore:
             ProtocolError: the answer is neither RESPONSE nor ERROR.
         """
         metrics.bytes_in += nbytes
-        if type(message) is not _Response:
+        if type(message) is not Response:
             raise unexpected_answer(message, method)
-        frames = message.value
-        # Without an empty list of buffers: most answers are one frame.
-        return (self._decoder.decode(frames[0]) if len(frames) == 1
-                else self._decoder.decode(frames[0], frames[1:]))
+        return self._decoder.decode_frames((<Response>message).value)
 
     cpdef list _encode_arguments(self, tuple args, dict kwargs):
         """The frames of a request's value ``[args, kwargs]``."""

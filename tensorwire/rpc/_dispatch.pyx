@@ -17,12 +17,15 @@ errors and record metrics with the same helpers (the end of the module).
 cimport cython
 from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyContext_Exit
 from cpython.ref cimport PyObject, Py_XDECREF
+from cpython.sequence cimport PySequence_Fast_ITEMS
 
 from .._counters cimport MethodMetrics, now, record_call
+from ..serde._decoder cimport Decoder
+from ..serde._encoder cimport Encoder
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore
 from ._slots cimport Slots
-from ._wire cimport encode_response
+from ._wire cimport Request, encode_response
 
 import asyncio
 import logging
@@ -51,6 +54,9 @@ cdef extern from "Python.h":
     enum:
         PYGEN_NEXT
     int PyIter_Send(object iterator, object arg, PyObject **result) except -1
+    # Python 3.9+: a call with its positional arguments in a C array.
+    object PyObject_Vectorcall(object callable, PyObject **args, size_t nargsf,
+                               PyObject *kwnames)
 
 
 logger = logging.getLogger("tensorwire.rpc.server")
@@ -59,7 +65,6 @@ cdef object _CancelledError = asyncio.CancelledError
 cdef object _EncodeError = serde.EncodeError
 cdef object _DecodeError = serde.DecodeError
 cdef object _encode_message = protocol.encode
-cdef object _Request = protocol.Request
 cdef int _SERVER = SERVER
 cdef int _REQUEST = protocol.Kind.REQUEST
 cdef int _RESPONSE = protocol.Kind.RESPONSE
@@ -109,8 +114,11 @@ cdef class Method:
 
     cdef object call(self, list args, dict kwargs):
         """The handler called: its coroutine (or async generator)."""
-        # Without an empty keyword dict copied into the call.
-        return self.func(*args, **kwargs) if kwargs else self.func(*args)
+        if kwargs:
+            return self.func(*args, **kwargs)
+        # The list's items as the call's arguments: no tuple made of them,
+        # no empty keyword dict copied into the call.
+        return PyObject_Vectorcall(self.func, PySequence_Fast_ITEMS(args), len(args), NULL)
 
 
 @cython.final
@@ -127,8 +135,8 @@ cdef class RequestDispatch:
     cdef dict _calls
     cdef dict _methods
     cdef Slots _slots
-    cdef object _decoder
-    cdef object _encoder
+    cdef Decoder _decoder
+    cdef Encoder _encoder
     cdef object _timeline
     cdef Py_ssize_t _limit
     cdef DriverCore _driver
@@ -149,12 +157,12 @@ cdef class RequestDispatch:
         self._driver = driver
 
     def on_message(self, message, Py_ssize_t nbytes):
-        if type(message) is _Request:
-            self._start(message, nbytes)
+        if type(message) is Request:
+            self._start(<Request>message, nbytes)
         else:
             self._on_other(message, nbytes)
 
-    cdef void _start(self, request, Py_ssize_t nbytes) except *:
+    cdef void _start(self, Request request, Py_ssize_t nbytes) except *:
         call_id = request.call_id
         if call_id in self._calls:
             raise ProtocolError(f"call id {call_id} is already in use")
@@ -169,11 +177,12 @@ cdef class RequestDispatch:
             return
         method = self._methods.get(request.method)
         if (method is not None and (<Method>method).at_once and request.stream_arg < 0
-                and self._run_at_once(request, nbytes, method)):
+                and self._run_at_once(request, call_id, nbytes, method)):
             return
         self._start_call(self._call_class(self._session, request, nbytes), method)
 
-    cdef bint _run_at_once(self, request, Py_ssize_t nbytes, Method method) except -1:
+    cdef bint _run_at_once(self, Request request, call_id, Py_ssize_t nbytes,
+                           Method method) except -1:
         """Run a call of an ``at_once`` method to its end, now: its handler's
         coroutine one step (``PyIter_Send``, which ends it), in a copy of
         the current context as a task would have, then its answer. False,
@@ -185,7 +194,6 @@ cdef class RequestDispatch:
         cdef double started = now()
         cdef MethodMetrics metrics = method.metrics
         metrics.bytes_in += nbytes
-        call_id = request.call_id
         cdef bint failed = True
         cdef bint suspended
         cdef PyObject *out = NULL
@@ -210,10 +218,10 @@ cdef class RequestDispatch:
         except _CancelledError:
             pass  # a handler that cancels itself gets no reply, as in a task
         except Exception as exc:
-            reply = _error(request.method, call_id, exc)
+            reply = _error(method.name, call_id, exc)
         finally:
             slots.release()
-            record_call(metrics, self._timeline, request.method, "rpc.server", started, failed)
+            record_call(metrics, self._timeline, method.name, "rpc.server", started, failed)
         if reply is not None:
             _post(self._driver, metrics, reply)
         return True
@@ -278,7 +286,7 @@ cdef class ServerCall:
 async def run_call(ServerCall call, Method method):
     """The path of every call that runs in a task (see the module);
     ``method`` is None for a method the server does not have (NOT_FOUND)."""
-    request = call.request
+    cdef Request request = call.request
     session = call.session
     # A local of the coroutine, not a field: a coroutine's locals are not
     # cleared by the GC, so the finally below never sees it None.
@@ -350,7 +358,7 @@ async def run_call(ServerCall call, Method method):
 
 # --- answers, shared by both paths ------------------------------------------------------
 
-cdef list _response(call_id, Method method, result, encoder):
+cdef list _response(call_id, Method method, result, Encoder encoder):
     """The RESPONSE carrying a unary handler's result."""
     return encode_response(call_id, encode_value(result, method.name, encoder))
 
@@ -374,17 +382,14 @@ cdef void _post(DriverCore driver, MethodMetrics metrics, list frames) except *:
         metrics.bytes_out += sent
 
 
-cpdef tuple unpack_arguments(object request, Method method, object decoder):
+cpdef tuple unpack_arguments(Request request, Method method, Decoder decoder):
     """A request's ``(args, kwargs)``.
 
     Raises:
         InvalidArgument: the value does not decode, or is not [args, kwargs].
     """
-    frames = request.value
     try:
-        # Without an empty list of buffers: most requests are one frame.
-        value = (decoder.decode(frames[0]) if len(frames) == 1
-                 else decoder.decode(frames[0], frames[1:]))
+        value = decoder.decode_frames(request.value)
     except _DecodeError as exc:
         raise InvalidArgument(f"the arguments of {method.name} do not decode: {exc}") from None
     if type(value) is list and len(value) == 2:
@@ -403,17 +408,16 @@ cpdef tuple unpack_arguments(object request, Method method, object decoder):
     return (args if type(args) is list else list(args)), value[1]
 
 
-cpdef list encode_value(object value, str method_name, object encoder):
+cpdef list encode_value(object value, str method_name, Encoder encoder):
     """The frames of a handler's result or stream item.
 
     Raises:
         Internal: the value cannot be encoded.
     """
     try:
-        header, buffers = encoder.encode(value)
+        return encoder.encode_frames(value)
     except _EncodeError as exc:
         raise Internal(f"the result of {method_name} cannot be encoded: {exc}") from None
-    return [header, *buffers]
 
 
 # --- errors to ERROR messages ----------------------------------------------------------

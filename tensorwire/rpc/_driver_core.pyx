@@ -7,6 +7,8 @@ adds what is not per message: starting, closing, the read loop and the
 liveness watchdog.
 """
 
+from ._wire cimport parse_binary
+
 import asyncio
 import functools
 import logging
@@ -24,7 +26,6 @@ BATCH = 32
 
 cdef object _ndarray = np.ndarray
 cdef object _parse = protocol.parse
-from ._wire import parse_binary
 cdef object _encode = protocol.encode
 
 

@@ -203,7 +203,7 @@ cdef class CallStreams:
         is over; raises the error the streams ended with."""
         if self._error is not None:
             raise self._error
-        return not self.state.done
+        return not self.state.ended()
 
     async def send_item(self, list frames):
         """Send one ITEM of the stream this side sends, once the peer has

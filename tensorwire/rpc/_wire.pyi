@@ -1,9 +1,32 @@
 """Stub of the compiled ``_wire`` module (see _wire.pyx)."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from .protocol import Item, Request, Response
+from ._kinds import Kind
+from .protocol import Message
+
+class ValueMessage(Message):
+    value: list[Any]
+    @property
+    def payload(self) -> list[Any]: ...
+
+class Request(ValueMessage):
+    method: str
+    timeout: float | None
+    stream_arg: int
+    kind: ClassVar[Kind]
+    fields: ClassVar[tuple[str, ...]]
+    def __init__(self, call_id: int, method: str, timeout: float | None, stream_arg: int,
+                 value: list[Any]) -> None: ...
+
+class Response(ValueMessage):
+    kind: ClassVar[Kind]
+    def __init__(self, call_id: int, value: list[Any]) -> None: ...
+
+class Item(ValueMessage):
+    kind: ClassVar[Kind]
+    def __init__(self, call_id: int, value: list[Any]) -> None: ...
 
 REQUEST: int
 RESPONSE: int

@@ -1,8 +1,9 @@
 # cython: language_level=3
 """The RPC messages with a fixed binary header, compiled: REQUEST, RESPONSE
 and ITEM (docs/protocol.md, "RPC messages"), parsed from frames and encoded
-into them. They run once per call or stream item; every other kind is rare
-and stays msgpack, in ``protocol``, which keeps the message classes.
+into them, and their message classes. They run once per call or stream
+item; every other kind is rare and stays msgpack, in ``protocol``, which
+keeps its message classes (dataclasses) and exports these.
 
 The header fields are read and written byte by byte, little endian, which a
 C compiler turns into single loads and stores on a little-endian machine and
@@ -18,6 +19,7 @@ from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from ..errors import ProtocolError
+from ._kinds import Kind
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object text, Py_ssize_t* size) except NULL
@@ -48,18 +50,78 @@ MAX_TIMEOUT = 10.0 ** 9
 cdef double _MAX_TIMEOUT = MAX_TIMEOUT
 cdef uint64_t _CALL_ID_END = 1ULL << 63
 
-# The message classes live in ``protocol``, which imports this module: they
-# are looked up on first use (a module-level import here would be circular).
-cdef object _Request = None
-cdef object _Response = None
-cdef object _Item = None
+
+# --- the messages -------------------------------------------------------------
+
+cdef class ValueMessage:
+    """A message that carries a value: its call id and the value's frames
+    (its serde header, then its buffers). Compiled classes, not dataclasses
+    as the other kinds (``protocol``): their fields are C fields, which the
+    RPC core reads and fills in without a Python attribute lookup; they are
+    registered as ``protocol.Message`` subclasses."""
+
+    # Its fields are declared in _wire.pxd: call_id, value.
+
+    #: The names of its fields, in the order of its constructor's arguments.
+    _names = ("call_id", "value")
+
+    @property
+    def payload(self):
+        return self.value
+
+    cdef tuple _fields(self):
+        return (self.call_id, self.value)
+
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._fields() == (<ValueMessage>other)._fields()
+
+    def __repr__(self):
+        shown = ", ".join(f"{name}={field!r}" for name, field in zip(self._names, self._fields()))
+        return f"{type(self).__name__}({shown})"
 
 
-cdef inline void _bind_classes():
-    global _Request, _Response, _Item
-    from . import protocol
+cdef class Request(ValueMessage):
+    """REQUEST: a call of ``method``, its arguments' frames as ``value``."""
 
-    _Request, _Response, _Item = protocol.Request, protocol.Response, protocol.Item
+    # Its fields are declared in _wire.pxd: method, timeout, stream_arg.
+
+    kind = Kind.REQUEST
+    fields = ("method", "timeout", "stream_arg")
+    _names = ("call_id", "method", "timeout", "stream_arg", "value")
+
+    def __init__(self, call_id, str method, timeout, int stream_arg, value):
+        self.call_id = call_id
+        self.method = method
+        self.timeout = timeout
+        self.stream_arg = stream_arg
+        self.value = value
+
+    cdef tuple _fields(self):
+        return (self.call_id, self.method, self.timeout, self.stream_arg, self.value)
+
+
+cdef class Response(ValueMessage):
+    """RESPONSE: a unary call's result, its frames as ``value``."""
+
+    kind = Kind.RESPONSE
+    fields = ()
+
+    def __init__(self, call_id, value):
+        self.call_id = call_id
+        self.value = value
+
+
+cdef class Item(ValueMessage):
+    """ITEM: one item of a stream, its frames as ``value``."""
+
+    kind = Kind.ITEM
+    fields = ()
+
+    def __init__(self, call_id, value):
+        self.call_id = call_id
+        self.value = value
 
 
 # --- little-endian fields ------------------------------------------------------
@@ -141,10 +203,10 @@ cdef object _parse_reply(int kind, const uint8_t* data, Py_ssize_t size, object 
     if call_id >= _CALL_ID_END:
         raise ProtocolError(f"bad call id {call_id}")
     value = _value(frames, _tail(raw, data, REPLY_SIZE, size))
-    # The message classes are slotted dataclasses: filled in here without
-    # their generated __init__ (a Python frame per message).
-    message = (_Response if kind == KIND_RESPONSE else _Item).__new__(
-        _Response if kind == KIND_RESPONSE else _Item)
+    # Made by the types' allocators, without their __init__ (no arguments
+    # to parse).
+    cdef ValueMessage message = (Response.__new__(Response) if kind == KIND_RESPONSE
+                                 else Item.__new__(Item))
     message.call_id = call_id
     message.value = value
     return message
@@ -179,7 +241,7 @@ cdef object _parse_request(const uint8_t* data, Py_ssize_t size, object raw, obj
     if call_id == 0 or call_id >= _CALL_ID_END:
         # 0 is the connection's own (HELLO, PING, ...), never a call's.
         raise ProtocolError(f"bad call id {call_id} for a REQUEST (0 is reserved)")
-    message = _Request.__new__(_Request)
+    cdef Request message = Request.__new__(Request)
     message.call_id = call_id
     message.method = method
     message.timeout = timeout if flags else None
@@ -196,8 +258,6 @@ cpdef object parse_binary(object frames):
         ProtocolError: a binary header cut short, with nonzero reserved
             bits, bad fields, or no value.
     """
-    if _Request is None:
-        _bind_classes()
     raw = frames[0]
     cdef Py_buffer buffer
     cdef const uint8_t* data

@@ -11,8 +11,8 @@ messages").
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-import enum
 import hashlib
 import hmac
 import os
@@ -22,10 +22,20 @@ from typing import Any, ClassVar
 import msgpack
 
 from ..errors import ProtocolError, Status, Unauthenticated
+from ._kinds import Kind
 
-# The binary kinds are compiled (one implementation: see _wire.pyx).
+# The binary kinds and their messages are compiled (one implementation: see
+# _wire.pyx).
 from ._wire import MAX_TIMEOUT as MAX_TIMEOUT
-from ._wire import encode_reply, encode_request, encode_response, parse_binary
+from ._wire import (
+    Item,
+    Request,
+    Response,
+    encode_reply,
+    encode_request,
+    encode_response,
+    parse_binary,
+)
 
 __all__ = (
     "RPC_VERSION",
@@ -67,26 +77,11 @@ MAX_ERROR_TEXT = 16 * 1024
 MAX_ERROR_DETAILS = 16 * 1024
 
 
-class Kind(enum.IntEnum):
-    HELLO = 1
-    WELCOME = 2
-    AUTH = 3
-    AUTH_OK = 4
-    REJECT = 5
-    REQUEST = 10
-    RESPONSE = 11
-    ERROR = 12
-    CANCEL = 13
-    ITEM = 14
-    END = 15
-    CREDIT = 16
-    PING = 20
-    PONG = 21
-
-
 @dataclasses.dataclass(slots=True)
-class Message:
-    """Base of the parsed messages; ``payload`` holds a value's serde frames."""
+class Message(metaclass=abc.ABCMeta):
+    """Base of the parsed messages; ``payload`` holds a value's serde frames.
+    REQUEST, RESPONSE and ITEM are compiled classes (``_wire``), registered
+    as its subclasses."""
 
     call_id: int
 
@@ -140,30 +135,6 @@ class Reject(Message):
 
 
 @dataclasses.dataclass(slots=True)
-class Request(Message):
-    method: str
-    timeout: float | None
-    stream_arg: int
-    value: list[Any]
-    kind: ClassVar[Kind] = Kind.REQUEST
-    fields: ClassVar[tuple[str, ...]] = ("method", "timeout", "stream_arg")
-
-    @property
-    def payload(self) -> list[Any]:
-        return self.value
-
-
-@dataclasses.dataclass(slots=True)
-class Response(Message):
-    value: list[Any]
-    kind: ClassVar[Kind] = Kind.RESPONSE
-
-    @property
-    def payload(self) -> list[Any]:
-        return self.value
-
-
-@dataclasses.dataclass(slots=True)
 class Error(Message):
     status: int
     type_name: str
@@ -178,16 +149,6 @@ class Error(Message):
 @dataclasses.dataclass(slots=True)
 class Cancel(Message):
     kind: ClassVar[Kind] = Kind.CANCEL
-
-
-@dataclasses.dataclass(slots=True)
-class Item(Message):
-    value: list[Any]
-    kind: ClassVar[Kind] = Kind.ITEM
-
-    @property
-    def payload(self) -> list[Any]:
-        return self.value
 
 
 @dataclasses.dataclass(slots=True)
@@ -211,6 +172,10 @@ class Ping(Message):
 class Pong(Message):
     kind: ClassVar[Kind] = Kind.PONG
 
+
+Message.register(Request)
+Message.register(Response)
+Message.register(Item)
 
 _CLASSES: dict[int, type[Message]] = {
     cls.kind: cls

@@ -83,17 +83,6 @@ cdef int _KIND_NDARRAY = KIND_NDARRAY
 cdef int _FLAG_INLINE = FLAG_INLINE
 
 
-cdef struct _Reading:
-    # The state of one decode() call, on its C stack: a registered type's
-    # decode function may call the same Decoder again.
-    const uint8_t* pos  # the next byte of the header to read
-    const uint8_t* end  # the end of the header, or of the ext payload being read
-    PyObject* bufs  # the buffers given (borrowed: decode() holds them)
-    uint8_t* used  # one flag per buffer: referenced yet? (NULL: no buffers)
-    Py_ssize_t nbufs
-    Py_ssize_t taken  # how many buffers are referenced
-
-
 cdef inline uint64_t _be(const uint8_t* p, int width) noexcept:
     """A ``width``-byte big-endian unsigned int (msgpack's lengths and numbers)."""
     cdef uint64_t value = 0
@@ -144,12 +133,7 @@ cdef class Decoder:
             ``limits.broadcast``.
     """
 
-    cdef object _registry
-    cdef object _limits
-    cdef Py_ssize_t _max_depth
-    cdef Py_ssize_t _max_header
-    cdef Py_ssize_t _max_buffers
-    cdef uint64_t _max_elements
+    # Its fields are declared in _decoder.pxd.
 
     def __init__(self, *, registry=None, limits=None) -> None:
         self._registry = default_registry if registry is None else registry
@@ -181,6 +165,22 @@ cdef class Decoder:
                 match its data, too many dims, depth or sizes beyond the
                 limits, invalid UTF-8, unhashable dict keys.
         """
+        return self._decode_header(header, buffers)
+
+    cpdef object decode_frames(self, list frames):
+        """``decode(frames[0], frames[1:])``: a message's frames as a
+        transport delivers them. The RPC core decodes every call's
+        arguments and result so, by a C call.
+
+        Raises:
+            DecodeError: as ``decode``, and for an empty list.
+        """
+        if not frames:
+            raise DecodeError("no header: a message of no frames")
+        # Without a list of no buffers: most messages are one frame.
+        return self._decode_header(frames[0], frames[1:] if len(frames) > 1 else ())
+
+    cdef object _decode_header(self, object header, object buffers):
         if type(header) is bytes:
             return self._decode(<const uint8_t*>PyBytes_AS_STRING(header),
                                 PyBytes_GET_SIZE(header), buffers)

@@ -131,23 +131,7 @@ cdef class Encoder:
         ConfigError: ``inline_threshold`` is negative or not an int.
     """
 
-    cdef object _registry
-    cdef object _limits
-    cdef Py_ssize_t _threshold
-    cdef Py_ssize_t _max_depth
-    cdef Py_ssize_t _max_header
-    cdef Py_ssize_t _max_buffers
-    cdef bint _broadcast
-    cdef bint _busy
-    # type -> BY_* for the types met so far that are not built in; the
-    # registered ones also in _entries (type -> RegisteredType).
-    cdef dict _resolved
-    cdef dict _entries
-    # The call in progress: its buffers and the header written so far.
-    cdef list _bufs
-    cdef uint8_t* _out
-    cdef Py_ssize_t _len
-    cdef Py_ssize_t _cap
+    # Its fields are declared in _encoder.pxd.
 
     def __cinit__(self) -> None:
         self._out = <uint8_t*>PyMem_Malloc(INITIAL_CAPACITY)
@@ -192,13 +176,38 @@ cdef class Encoder:
                 than ``limits.max_depth``; a header or buffer count beyond
                 the limits; a str that is not valid Unicode.
         """
+        cdef list bufs = []
+        return self._encode(obj, bufs), bufs
+
+    def encode_nested(self, obj: list) -> tuple[bytes, list]:
+        """``encode(obj)`` for a list of a few containers (lists, tuples,
+        dicts), as the RPC's ``[args, kwargs]``: the same result and errors
+        (kept for its callers; encoding has one path).
+        """
+        return self.encode(obj)
+
+    cpdef list encode_frames(self, object obj):
+        """``encode(obj)`` as one list, as a transport sends it: the header,
+        then the out-of-band buffers. The RPC core encodes every call's
+        arguments and result so, by a C call.
+
+        Raises:
+            EncodeError: as ``encode``.
+        """
+        cdef list frames = []  # the buffers, then the header in front: one list
+        frames.insert(0, self._encode(obj, frames))
+        return frames
+
+    cdef bytes _encode(self, object obj, list bufs):
+        """``obj``'s header; its out-of-band buffers are appended to
+        ``bufs`` (empty)."""
         if self._busy:
             # Called again from a registered type's encode function: a fresh
             # encoder, since this one's buffer holds the outer header.
             return Encoder(registry=self._registry, inline_threshold=self._threshold,
-                           limits=self._limits).encode(obj)
+                           limits=self._limits)._encode(obj, bufs)
         self._busy = True
-        self._bufs = []
+        self._bufs = bufs
         self._len = PREFIX_SIZE
         try:
             self._pack(obj, 0)
@@ -215,14 +224,8 @@ cdef class Encoder:
             if self._cap > SHRINK_ABOVE:
                 self._resize(INITIAL_CAPACITY)
 
-    def encode_nested(self, obj: list) -> tuple[bytes, list]:
-        """``encode(obj)`` for a list of a few containers (lists, tuples,
-        dicts), as the RPC's ``[args, kwargs]``: the same result and errors
-        (kept for its callers; encoding has one path).
-        """
-        return self.encode(obj)
-
-    cdef tuple _finish(self):
+    cdef bytes _finish(self):
+        """The header written so far, with its prefix."""
         cdef Py_ssize_t size = self._len
         cdef Py_ssize_t nbufs = len(self._bufs)
         if size > self._max_header:
@@ -236,7 +239,7 @@ cdef class Encoder:
         out[5] = <uint8_t>(nbufs >> 8)
         out[6] = <uint8_t>(nbufs >> 16)
         out[7] = <uint8_t>(nbufs >> 24)
-        return PyBytes_FromStringAndSize(<char*>out, size), self._bufs
+        return PyBytes_FromStringAndSize(<char*>out, size)
 
     # -- the output buffer -----------------------------------------------------
 

@@ -237,3 +237,24 @@ def test_messages_before_the_handshake_are_refused() -> None:
     client.start()
     with pytest.raises(ProtocolError, match="unexpected PONG"):
         client.receive(p.Pong(0))
+
+
+def test_compiled_messages_read_as_the_others() -> None:
+    # REQUEST, RESPONSE and ITEM are compiled classes (rpc/_wire.pyx), the
+    # other kinds dataclasses: both read alike.
+    request = p.Request(7, "Store.get", 1.5, -1, [b"h"])
+    assert repr(request) == ("Request(call_id=7, method='Store.get', timeout=1.5, "
+                             "stream_arg=-1, value=[b'h'])")
+    assert repr(p.Item(9, [b"h"])) == "Item(call_id=9, value=[b'h'])"
+    for message in (request, p.Response(7, [b"h"]), p.Item(7, [b"h"]), p.Ping(0)):
+        assert isinstance(message, p.Message)
+        assert p.parse(p.encode(message)) == message
+    assert request.kind is p.Kind.REQUEST and p.Response.kind is p.Kind.RESPONSE
+    assert request.fields == ("method", "timeout", "stream_arg")
+    assert request.payload is request.value
+    assert p.Response(7, [b"h"]) != p.Item(7, [b"h"])  # same fields, another kind
+    assert request != p.Request(7, "Store.get", None, -1, [b"h"])
+    request.timeout = None  # fields can be set, as a dataclass's
+    assert request == p.Request(7, "Store.get", None, -1, [b"h"])
+    with pytest.raises(TypeError):
+        hash(request)  # unhashable, as a dataclass with eq
