@@ -31,7 +31,8 @@ cdef class DeadlineQueue:
 cdef class UnaryCall:
     cdef readonly object future
     cdef readonly CallState state
-    cdef readonly unsigned long long call_id
+    # The call id: its key in CallsInFlight.pending (see add).
+    cdef readonly object call_id
     # The call's first of its method on the connection: it asked for a
     # stream of one item (see CallsInFlight.start).
     cdef readonly bint probing
@@ -58,14 +59,13 @@ cdef class CallsInFlight:
     cdef object _timer
     cdef set _unary
 
-    cpdef unsigned long long add(self, object waiter, double expires) except? 0
-    cdef unsigned long long request(self, object driver, str method, double deadline,
-                                    double now, int stream_arg, list payload, object waiter,
-                                    MethodMetrics metrics, double grace) except? 0
+    cpdef object add(self, object waiter, double expires)
+    cdef object request(self, object driver, str method, double deadline, double now,
+                        int stream_arg, list payload, object waiter, MethodMetrics metrics,
+                        double grace)
     cdef UnaryCall start(self, object driver, str method, double deadline, double now,
                          list payload, MethodMetrics metrics, double grace)
     cdef void end(self, object driver, UnaryCall call, str method) except *
-    cdef void _cancel_remote(self, object driver, unsigned long long call_id,
-                             object waiter) except *
+    cdef void _cancel_remote(self, object driver, object call_id, object waiter) except *
     cdef void _compact(self) except *
     cdef void _arm(self, double when) except *

@@ -202,18 +202,20 @@ cdef class CallsInFlight:
         self._timer_at = float("inf")
         self._unary = set()
 
-    cpdef unsigned long long add(self, object waiter, double expires) except? 0:
+    cpdef object add(self, object waiter, double expires):
         """Register ``waiter`` under a new call id, to fail with TimeoutError
-        at ``expires`` (loop time) unless it has ended by then."""
+        at ``expires`` (loop time) unless it has ended by then. Returns the
+        call id: the int that is its key in ``pending``, made once per call
+        (its callers look the call up by it, not by a fresh int each time)."""
         self._last_id += 1
-        cdef unsigned long long call_id = self._last_id
+        call_id = self._last_id
         pending = self.pending
         pending[call_id] = waiter
         cdef DeadlineQueue in_order = self.in_order
         while in_order.size and in_order.front_id() not in pending:
             in_order.pop()  # its call ended
         if not in_order.size or expires >= in_order.last:
-            in_order.push(expires, call_id)
+            in_order.push(expires, self._last_id)
         else:
             heappush(self.deadlines, (expires, call_id))
         if len(self.deadlines) + in_order.size > self._compact_at:
@@ -222,9 +224,9 @@ cdef class CallsInFlight:
             self._arm(expires)
         return call_id
 
-    cdef unsigned long long request(self, object driver, str method, double deadline,
-                                    double now, int stream_arg, list payload, object waiter,
-                                    MethodMetrics metrics, double grace) except? 0:
+    cdef object request(self, object driver, str method, double deadline, double now,
+                        int stream_arg, list payload, object waiter, MethodMetrics metrics,
+                        double grace):
         """Register ``waiter`` and post the call's REQUEST with the time
         left until ``deadline`` (loop time; ``now`` is the loop time); the
         waiter fails at ``deadline + grace``. Returns the call id.
@@ -242,7 +244,7 @@ cdef class CallsInFlight:
             raise Unavailable(f"{method}: not connected")
         # The session's ConnectionDriver: posting the request is a C call.
         cdef DriverCore core = driver
-        cdef unsigned long long call_id = self.add(waiter, deadline + grace)
+        call_id = self.add(waiter, deadline + grace)
         try:
             metrics.bytes_out += core.post_frames(encode_request(
                 call_id, method, min(remaining, _LONGEST), stream_arg, payload))
@@ -321,7 +323,7 @@ cdef class CallsInFlight:
                 except _CancelledError:
                     pass
 
-    cdef void _cancel_remote(self, driver, unsigned long long call_id, waiter) except *:
+    cdef void _cancel_remote(self, driver, object call_id, waiter) except *:
         """The caller stopped waiting: the server stops the handler
         (CANCEL), unless the call is over for it already."""
         if call_id not in self.pending:
