@@ -177,6 +177,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every set this many times (default 1)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.as_rank:
         rank_main(args)
         return
