@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Coroutine, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -88,22 +89,33 @@ class ScratchPool:
     buffers per device of at most ``limit`` bytes each, as raw bytes, and
     hands each out to one user at a time (the phases of a hierarchical
     allreduce need scratch at once), viewed as the caller's dtype.
+
+    Scratch below ``smallest`` bytes is not pooled: malloc serves it from
+    its heap, pages already touched, and the pool's bookkeeping cost more
+    than the allocation (3.2 µs against 0.4 here, in an 8-byte allreduce of
+    about 90 µs).
     """
 
-    def __init__(self, limit: int, keep: int = 4) -> None:
+    def __init__(self, limit: int, keep: int = 4, smallest: int = 64 << 10) -> None:
         self.limit = limit
         self.keep = keep
+        self.smallest = smallest
         self._free: dict[str, list[Any]] = {}
 
-    @contextlib.contextmanager
-    def take(self, flat: Flat, count: int) -> Iterator[Any]:
+    def take(self, flat: Flat, count: int) -> AbstractContextManager[Any]:
         """A flat array of ``count`` items of ``flat``'s dtype on its device.
 
-        Its contents are undefined. It goes back to the pool when the block
-        ends normally; after an exception it is dropped, since a transport
-        cut off part-way may still write to it.
+        Its contents are undefined. A pooled one goes back to the pool when
+        the block ends normally; after an exception it is dropped, since a
+        transport cut off part-way may still write to it.
         """
         nbytes = count * flat.itemsize
+        if nbytes < self.smallest:
+            return contextlib.nullcontext(flat.empty(count))
+        return self._lend(flat, nbytes)
+
+    @contextlib.contextmanager
+    def _lend(self, flat: Flat, nbytes: int) -> Iterator[Any]:
         free = self._free.setdefault(flat.device, [])
         # By index, not list.remove: arrays compare element-wise.
         fits = [i for i, b in enumerate(free) if b.nbytes >= nbytes]

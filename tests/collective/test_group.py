@@ -143,6 +143,8 @@ async def test_pooled_scratch_survives_operations_of_other_sizes_and_dtypes() ->
     # leftovers, and the pool must keep reusing, not grow. Issue 25.
     groups, server = await make_groups(3, config=SEGMENTED)
     pools = [g._links.scratch for g in groups]
+    for pool in pools:
+        pool.smallest = 0  # every size pooled here, the smallest included
     try:
         plan = [(9001, np.float32, "allreduce"), (37, np.float64, "allreduce"),
                 (2500, np.int16, "allreduce"), (6001, np.float64, "reduce"),
@@ -164,6 +166,31 @@ async def test_pooled_scratch_survives_operations_of_other_sizes_and_dtypes() ->
             assert all(len(pool._free["cpu"]) <= pool.keep for pool in pools)
         # The second pass over the plan allocates nothing new.
         assert set.union(*kept[len(plan):]) <= set.union(*kept[:len(plan)])
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+        await server.close(grace=0)
+
+
+async def test_small_scratch_is_not_pooled_and_large_scratch_is() -> None:
+    # An allreduce of a few bytes takes fresh scratch from the allocator
+    # (the pool's bookkeeping costs more than the allocation); one of a
+    # segment's size and more reuses pooled scratch across operations.
+    config = GroupConfig(timeout=20, rendezvous_timeout=20, segment_bytes=256 << 10)
+    groups, server = await make_groups(2, config=config)
+    pools = [g._links.scratch for g in groups]
+    try:
+        for _ in range(3):
+            xs = [np.full(2, g.rank + 1, np.float32) for g in groups]
+            await asyncio.gather(*(g.allreduce(x) for g, x in zip(groups, xs, strict=True)))
+            assert all(x.tolist() == [3.0, 3.0] for x in xs)
+        assert all(not pool._free.get("cpu") for pool in pools)
+        kept = []
+        for _ in range(3):
+            xs = [np.full(256 << 10, g.rank + 1, np.float32) for g in groups]
+            await asyncio.gather(*(g.allreduce(x) for g, x in zip(groups, xs, strict=True)))
+            assert all(float(x.min()) == float(x.max()) == 3.0 for x in xs)
+            kept.append({id(b) for pool in pools for b in pool._free["cpu"]})
+        assert kept[0] and kept[1] == kept[0] and kept[2] == kept[0]
     finally:
         await asyncio.gather(*(g.close() for g in groups))
         await server.close(grace=0)
