@@ -34,7 +34,6 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results" / "before_after.md"
 BEFORE = "920ef11"
-MiB = 1 << 20
 
 #: Small allreduces: (transport, processes, bytes).
 ALLREDUCES = [(scheme, world, size) for scheme in ("tcp", "ucx") for world in (2, 4)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Coroutine, Iterator, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -102,7 +101,7 @@ class ScratchPool:
         self.smallest = smallest
         self._free: dict[str, list[Any]] = {}
 
-    def take(self, flat: Flat, count: int) -> AbstractContextManager[Any]:
+    def take(self, flat: Flat, count: int) -> contextlib.AbstractContextManager[Any]:
         """A flat array of ``count`` items of ``flat``'s dtype on its device.
 
         Its contents are undefined. A pooled one goes back to the pool when
