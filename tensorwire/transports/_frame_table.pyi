@@ -5,6 +5,7 @@ from ._frames import Device
 
 __all__ = (
     "DEVICE_CODES",
+    "DEVICE_MASK",
     "INLINE_FLAG",
     "KIND_DATA",
     "KIND_GOODBYE",
@@ -12,6 +13,8 @@ __all__ = (
     "ONE_FRAME",
     "ONE_FRAME_SIZE",
     "ONE_FRAME_WORDS",
+    "OFFSET_MASK",
+    "OFFSET_SHIFT",
     "PRELUDE",
     "PRELUDE_SIZE",
     "decode_table",
@@ -30,6 +33,9 @@ ONE_FRAME_WORDS: struct.Struct
 ONE_DATA_PRELUDE: int
 DEVICE_CODES: dict[str, int]
 INLINE_FLAG: int
+DEVICE_MASK: int
+OFFSET_SHIFT: int
+OFFSET_MASK: int
 
 def table_size(nframes: int) -> int: ...
 def encode_table(sizes: Any, codes: bytes | bytearray | None = None) -> bytes: ...

@@ -6,7 +6,10 @@ One codec for both transports (docs/protocol.md, "Message" and "ucx://"):
     prelude   8 bytes    u8 kind | u8 reserved = 0 | u16 reserved = 0 | u32 nframes
     table     8*n bytes  u64 frame size, one per frame
               n bytes    u8 code per frame: the device (0 host, 1 CUDA); on
-                         ucx:// bit 7 marks a frame inline in the header
+                         ucx:// the device is bits 0-1, bits 2-6 give a
+                         separate host frame's address at the sender
+                         modulo 64, halved (``OFFSET_SHIFT``), and bit 7
+                         marks a frame inline in the header
               pad        zero bytes up to a multiple of 8
 
 A byte stream then carries the frames' bytes (``_stream_framing.FrameReader``
@@ -26,6 +29,7 @@ from ..errors import ProtocolError
 
 __all__ = (
     "DEVICE_CODES",
+    "DEVICE_MASK",
     "INLINE_FLAG",
     "KIND_DATA",
     "KIND_GOODBYE",
@@ -33,6 +37,8 @@ __all__ = (
     "ONE_FRAME",
     "ONE_FRAME_SIZE",
     "ONE_FRAME_WORDS",
+    "OFFSET_MASK",
+    "OFFSET_SHIFT",
     "PRELUDE",
     "PRELUDE_SIZE",
     "decode_table",
@@ -62,6 +68,13 @@ _DEVICE_NAMES = ("cpu", "cuda")
 #: ucx:// only: bit 7 of a code byte marks a host frame whose bytes follow
 #: the table inside the header message.
 INLINE_FLAG = 0x80
+#: ucx:// only: the device is the code byte's bits 0-1, and bits 2-6 hold a
+#: separate host frame's address at the sender modulo 64, divided by two
+#: (``(code & OFFSET_MASK) >> OFFSET_SHIFT << 1``): the receiver puts the
+#: frame at the same offset (``FrameInfo.offset``).
+DEVICE_MASK = 0x03
+OFFSET_SHIFT = 2
+OFFSET_MASK = 0x7C
 
 
 cpdef Py_ssize_t table_size(Py_ssize_t nframes):

@@ -96,12 +96,13 @@ class _Lease:
 
     __slots__ = ("__array_interface__", "_block", "_pool")
 
-    def __init__(self, pool: BufferPool, block: np.ndarray[Any, Any], nbytes: int, align: int):
+    def __init__(self, pool: BufferPool, block: np.ndarray[Any, Any], nbytes: int, align: int,
+                 offset: int):
         self._pool = pool
         self._block = block
         address = block.ctypes.data
         self.__array_interface__ = {
-            "data": (address + -address % align, False),
+            "data": (address + (offset - address) % align, False),
             "shape": (nbytes,),
             "typestr": "|u1",
             "version": 3,
@@ -161,26 +162,32 @@ class BufferPool:
                 self._idle_s = float(idle_s)
             self._trim(time.monotonic())
 
-    def empty(self, nbytes: int, *, align: int = 64) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """A writable uint8 array of ``nbytes`` whose data is ``align``-aligned.
+    def empty(self, nbytes: int, *, align: int = 64,
+              offset: int = 0) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """A writable uint8 array of ``nbytes`` whose data starts ``offset``
+        bytes past an ``align`` boundary.
 
         Its contents are undefined (old data when the block is reused).
 
         Raises:
-            ValueError: ``nbytes`` is negative or ``align`` is not positive.
+            ValueError: ``nbytes`` is negative, ``align`` is not positive,
+                or ``offset`` is not in ``range(align)``.
         """
         if (isinstance(nbytes, bool) or not isinstance(nbytes, int | np.integer) or nbytes < 0
                 or isinstance(align, bool) or not isinstance(align, int | np.integer)
-                or align < 1):
-            raise ValueError(f"cannot allocate {nbytes!r} bytes aligned to {align!r}")
-        nbytes, align = int(nbytes), int(align)
-        size = _block_size(nbytes)
+                or align < 1 or isinstance(offset, bool)
+                or not isinstance(offset, int | np.integer) or not 0 <= offset < align):
+            raise ValueError(
+                f"cannot allocate {nbytes!r} bytes {offset!r} past a boundary of {align!r}"
+            )
+        nbytes, align, offset = int(nbytes), int(align), int(offset)
+        # The slack for the offset comes on top of the rounded size, so that
+        # a power-of-two tensor gets a block of its own size class. (A
+        # huge-page block starts on a 2 MiB boundary: its slack is a huge
+        # page of address space, of which only a frame asked at an offset
+        # touches, and faults in, the first bytes.)
+        size = _block_size(nbytes) + align
         huge = size >= HUGE_PAGE_BYTES and transparent_huge_pages() in ("always", "madvise")
-        if not (huge and HUGE_PAGE_BYTES % align == 0):
-            # The slack for alignment comes on top of the rounded size, so
-            # that a power-of-two tensor gets a block of its own size class
-            # (a huge-page block starts on a 2 MiB boundary: no slack).
-            size += align
         block = None
         with self._section():
             now = time.monotonic()
@@ -195,7 +202,7 @@ class BufferPool:
                 self._misses += 1
         if block is None:
             block = huge_page_empty(size) if huge else np.empty(size, dtype=np.uint8)
-        return np.asarray(_Lease(self, block, nbytes, align))
+        return np.asarray(_Lease(self, block, nbytes, align, offset))
 
     def clear(self) -> None:
         """Drop every idle block."""

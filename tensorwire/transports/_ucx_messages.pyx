@@ -14,14 +14,18 @@ else :class:`Announced`), which is why this module is compiled (issue 22).
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from libc.stdint cimport uint8_t, uint64_t
+from cpython.memoryview cimport PyMemoryView_GET_BUFFER
+from libc.stdint cimport uint8_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, memset
 
 from ..errors import ProtocolError
 from ._frame_table import (
     DEVICE_CODES,
+    DEVICE_MASK,
     INLINE_FLAG,
     KIND_DATA,
+    OFFSET_MASK,
+    OFFSET_SHIFT,
     ONE_DATA_PRELUDE,
     ONE_FRAME,
     PRELUDE,
@@ -31,7 +35,7 @@ from ._frame_table import (
     encode_table,
     table_size,
 )
-from ._frames import FrameInfo, host_empty, host_view, interface_nbytes
+from ._frames import ALIGNMENT, FrameInfo, host_empty, host_view, interface_nbytes
 from ._limit_checks import check_frame_count, check_limits
 
 __all__ = ("INLINE_BYTES", "ONE_INLINE", "Announced", "Outgoing", "one_inline_frame")
@@ -51,6 +55,11 @@ cdef Py_ssize_t _INLINE_BYTES = INLINE_BYTES
 cdef int _CPU = DEVICE_CODES["cpu"]
 cdef int _CUDA = DEVICE_CODES["cuda"]
 cdef int _INLINE = INLINE_FLAG
+cdef int _DEVICE_MASK = DEVICE_MASK
+cdef int _OFFSET_SHIFT = OFFSET_SHIFT
+cdef int _OFFSET_MASK = OFFSET_MASK
+cdef uintptr_t _ALIGNMENT = ALIGNMENT
+assert (OFFSET_MASK >> OFFSET_SHIFT) + 1 == ALIGNMENT // 2
 cdef int _KIND_DATA = KIND_DATA
 cdef uint64_t _ONE_DATA_PRELUDE = ONE_DATA_PRELUDE
 assert ONE_FRAME.size == _ONE_SIZE
@@ -135,14 +144,24 @@ cdef class Outgoing:
                 codes.append(_CPU | _INLINE)
                 inline.append(view)
                 inline_total += nbytes
+            elif nbytes:
+                # Where the frame starts past a 64-byte boundary, for the
+                # receiver to match (FrameInfo.offset).
+                codes.append(_CPU | _offset_code(view))
+                separate.append(view)
             else:
                 codes.append(_CPU)
-                if nbytes:
-                    separate.append(view)
         self.header = b"".join([encode_table(sizes, codes), *inline])
         self.frames = separate
         self.nbytes = total
         self.device = device
+
+
+cdef inline int _offset_code(object view):
+    """The code bits that give the address of ``view`` (a memoryview)
+    modulo ALIGNMENT, halved."""
+    cdef uintptr_t address = <uintptr_t>PyMemoryView_GET_BUFFER(view).buf
+    return <int>((address % _ALIGNMENT) >> 1 << _OFFSET_SHIFT)
 
 
 def one_inline_frame(bytearray header, Py_ssize_t fast_max, bint as_bytearray):
@@ -183,7 +202,7 @@ cdef class Announced:
 
     def __init__(self, header, limits, *, bint check=True):
         cdef Py_ssize_t n, table_end, index
-        cdef int code
+        cdef int code, host_offset
         if len(header) < PRELUDE_SIZE:
             raise ProtocolError("UCX message header too short")
         kind, reserved1, reserved2, n = PRELUDE.unpack_from(header)
@@ -203,13 +222,17 @@ cdef class Announced:
         for index in range(n):
             size = sizes[index]
             code = codes[index]
-            device = device_name(code & ~_INLINE, index)
+            device = device_name(code & _DEVICE_MASK, index)
+            host_offset = (code & _OFFSET_MASK) >> _OFFSET_SHIFT << 1
+            if host_offset and (device != "cpu" or code & _INLINE):
+                raise ProtocolError(f"bad frame {index}: an offset for a frame sent inline "
+                                    f"or in device memory")
             if code & _INLINE:
                 if device != "cpu" or offset + size > len(header):
                     raise ProtocolError(f"bad inline frame {index}")
                 inline[index] = header[offset : offset + size]
                 offset += size
-            infos.append(FrameInfo(index, size, device))
+            infos.append(FrameInfo(index, size, device, host_offset))
             total += size
         self.infos = infos
         self.inline = inline

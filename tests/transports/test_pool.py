@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tensorwire.errors import ConfigError
-from tensorwire.transports import BufferPool, buffer_pool, transparent_huge_pages
+from tensorwire.transports import BufferPool, buffer_pool
 from tensorwire.transports._frames import host_empty
 from tensorwire.transports._pool import POOL_MIN_BYTES
 
@@ -110,10 +110,35 @@ def test_a_power_of_two_size_is_not_rounded_up() -> None:
     pool = BufferPool()
     del_me = pool.empty(64 * MiB)
     del del_me
-    # A block backed by huge pages starts on a 2 MiB boundary: no slack
-    # for the 64-byte alignment is added.
-    slack = 0 if transparent_huge_pages() in ("always", "madvise") else 64
-    assert pool.stats().cached_bytes == 64 * MiB + slack
+    # Only the slack for the alignment (and offset) comes on top.
+    assert pool.stats().cached_bytes == 64 * MiB + 64
+
+
+def test_empty_starts_the_data_at_the_offset_asked_past_the_boundary() -> None:
+    pool = BufferPool()
+    for nbytes in (MiB, 3 * MiB + 5, 64 * MiB):
+        for offset in (0, 16, 63):
+            array = pool.empty(nbytes, align=64, offset=offset)
+            assert array.shape == (nbytes,)
+            assert address(array) % 64 == offset
+            array[-1] = 1  # the whole size is usable
+            del array
+
+
+def test_one_block_serves_every_offset() -> None:
+    pool = BufferPool()
+    first = pool.empty(8 * MiB, offset=16)
+    block = address(first) - 16
+    del first
+    again = pool.empty(8 * MiB, offset=0)
+    assert address(again) == block
+    assert pool.stats().hits == 1 and pool.stats().misses == 1
+
+
+@pytest.mark.parametrize("offset", [-1, 64, 1.5, True])
+def test_an_offset_outside_the_alignment_is_refused(offset: Any) -> None:
+    with pytest.raises(ValueError, match="past a boundary"):
+        BufferPool().empty(MiB, align=64, offset=offset)
 
 
 def test_idle_bytes_stay_under_max_bytes_dropping_the_oldest() -> None:
@@ -259,6 +284,9 @@ def test_host_empty_pools_large_buffers_only() -> None:
     before = pool.stats()
     small = host_empty(POOL_MIN_BYTES - 1)
     assert address(small) % 64 == 0
+    assert address(host_empty(1000, 48)) % 64 == 48
+    assert address(host_empty(POOL_MIN_BYTES, 16)) % 64 == 16
+    before = pool.stats()
     assert pool.stats().misses + pool.stats().hits == before.misses + before.hits
     large = host_empty(POOL_MIN_BYTES)
     after = pool.stats()

@@ -31,9 +31,10 @@ from tensorwire.transports import (
     connect,
     listen,
 )
+from tensorwire.transports._frames import default_allocator
 from tensorwire.transports._stream_framing import HANDSHAKE
 
-from .test_conformance import as_bytes, echo, pattern
+from .test_conformance import as_bytes, at_offset, echo, pattern
 from .test_tcp import send_raw
 
 # Not importorskip: importing ucxx here would set UCX_* variables in this
@@ -276,6 +277,28 @@ async def test_large_frames_land_in_allocator_memory_and_small_ones_too() -> Non
         frames = await conn.recv(allocator=allocator)
     assert all(f is b for f, b in zip(frames, buffers, strict=True))
     assert [as_bytes(f) for f in frames] == [as_bytes(s) for s in sent]
+
+
+async def test_a_large_frame_lands_where_the_senders_lay_past_a_64_byte_boundary() -> None:
+    # The receiving buffers (the echo server's and ours) come from the
+    # buffer pool at the sender's offset: the shared-memory copy between
+    # two buffers whose low address bits differ is the slow one.
+    infos: list[Any] = []
+
+    def recording(info: Any) -> Any:
+        infos.append(info)
+        return default_allocator(info)
+
+    sent = at_offset(pattern(8 << 20, 5), 48)
+    hits = buffer_pool().stats().hits + buffer_pool().stats().misses
+    async with echo_server() as listener, await connect(listener.address) as conn:
+        await conn.send([sent, at_offset(pattern(3 << 20, 6), 0)])
+        frames = await conn.recv(allocator=recording)
+    assert [(i.nbytes, i.offset) for i in infos] == [(8 << 20, 48), (3 << 20, 0)]
+    assert [f.ctypes.data % 64 for f in frames] == [48, 0]
+    assert np.array_equal(frames[0], sent)
+    # Both ends took their buffers from the pool.
+    assert buffer_pool().stats().hits + buffer_pool().stats().misses >= hits + 4
 
 
 async def test_cancelled_recv_loses_no_message() -> None:

@@ -94,3 +94,32 @@ def test_frames_that_cannot_be_sent_are_refused_before_anything_is_sent() -> Non
         Outgoing([FakeDeviceArray((4, 4), strides=(32, 4))])
     with pytest.raises(TransportError, match="buffer protocol"):
         Outgoing([object()])
+
+
+@pytest.mark.parametrize("offset", [0, 2, 16, 48, 62])
+def test_a_separate_host_frame_tells_where_it_starts_past_a_64_byte_boundary(
+        offset: int) -> None:
+    raw = np.zeros(20_000 + 128, np.uint8)
+    start = (offset - raw.ctypes.data) % 64
+    frame = raw[start : start + 20_000]
+    assert frame.ctypes.data % 64 == offset
+    out = Outgoing([b"head", frame, FakeDeviceArray((2, 2))])
+    ann = Announced(memoryview(received(out.header)), Limits())
+    assert [(i.device, i.offset) for i in ann.infos] == [
+        ("cpu", 0), ("cpu", offset), ("cuda", 0)]
+    # An odd address is told rounded down to an even one.
+    odd = raw[start + 1 : start + 1 + 19_000]
+    (info,) = Announced(memoryview(received(Outgoing([odd]).header)), Limits()).infos
+    assert info.offset == offset
+
+
+def test_an_offset_on_an_inline_or_device_frame_is_a_protocol_error() -> None:
+    for frames in ([b"abc"], [FakeDeviceArray((2, 2))]):
+        header = received(Outgoing(frames).header)
+        header[16] |= 0x7C  # the code byte of frame 0
+        with pytest.raises(ProtocolError, match="offset"):
+            Announced(memoryview(header), Limits())
+    header = received(Outgoing([bytes(8)]).header)
+    header[16] = 2  # device code 2 does not exist
+    with pytest.raises(ProtocolError, match="device code"):
+        Announced(memoryview(header), Limits())
