@@ -67,5 +67,6 @@ cdef class CallsInFlight:
                          list payload, MethodMetrics metrics, double grace)
     cdef void end(self, object driver, UnaryCall call, str method) except *
     cdef void _cancel_remote(self, object driver, object call_id, object waiter) except *
+    cpdef bint probes(self, str method)
     cdef void _compact(self) except *
     cdef void _arm(self, double when) except *

@@ -300,17 +300,22 @@ cdef class CallsInFlight:
         awaited and ``end`` for ``waiter`` (its streams), and
         ``on_sent(call_id)``, which starts the task that sends the
         argument's items; returns ``(message, nbytes)``. The caller holds
-        the call's slot.
+        the call's slot. A ``waiter.probing`` call asks for a stream of one
+        item, as ``start`` does; its answer may then be an ITEM or END (the
+        method streams its result: the handler is cancelled).
 
         Raises:
             as ``start``, and TimeoutError and Unavailable from the wait.
         """
         call_id = self.request(driver, method, deadline, self._loop.time(), stream_arg, payload,
                                waiter, metrics, grace)
+        if waiter.probing:
+            waiter.state.send(_CREDIT, 1)
+            driver.send_soon(_Credit(call_id, 1))
         pump = None
         try:
             pump = on_sent(call_id)
-            return await waiter.future
+            answer = await waiter.future
         except BaseException:
             self._cancel_remote(driver, call_id, waiter)
             raise
@@ -322,6 +327,17 @@ cdef class CallsInFlight:
                     await pump
                 except _CancelledError:
                     pass
+        if waiter.probing:
+            if type(answer[0]) is Response:
+                self._unary.add(method)
+            else:
+                waiter.cancel()  # its first ITEM: the handler stops
+        return answer
+
+    cpdef bint probes(self, str method):
+        """Whether a unary call of ``method`` asks for a stream of one item
+        (see the module): no call of it here has answered RESPONSE yet."""
+        return method not in self._unary
 
     cdef void _cancel_remote(self, driver, object call_id, waiter) except *:
         """The caller stopped waiting: the server stops the handler

@@ -38,6 +38,10 @@ Ending::
 ``future`` is the answer of a client's unary call with a streamed argument
 (``(message, nbytes)`` of its RESPONSE or ERROR), so that ``CallStreams``
 is the waiter the client's calls in flight (``_calls_in_flight``) hold.
+Such a call ``probing`` a method (as ``UnaryCall.probing`` does: a stream
+of one item asked for) takes the first ITEM or END as its answer too: the
+method streams its result, and the call ends with ``Unimplemented``
+instead of waiting for a RESPONSE that never comes.
 """
 
 cimport cython
@@ -84,6 +88,7 @@ cdef class CallStreams:
     cdef public object metrics
     cdef readonly object future
     cdef readonly bint finished
+    cdef readonly bint probing
     cdef object _driver
     cdef str _name
     cdef object _items
@@ -92,8 +97,9 @@ cdef class CallStreams:
     cdef object _error
 
     def __init__(self, CallState state, driver, str name, metrics=None,
-                 unsigned long long call_id=0):
+                 unsigned long long call_id=0, bint probing=False):
         self.state = state
+        self.probing = probing
         self.call_id = call_id
         self._driver = driver
         self._name = name
@@ -128,10 +134,11 @@ cdef class CallStreams:
         if kind == _CREDIT:
             _wake(self._credit_waiter)
             return True
-        if kind == _RESPONSE or kind == _ERROR:
-            # The call is over for the server: a sender waiting for credit stops.
+        if kind == _RESPONSE or kind == _ERROR or self.probing:
+            # The call is over for the server, or (an ITEM or END for a
+            # probing call) for the caller: a sender waiting for credit stops.
             _wake(self._credit_waiter)
-            if not self.state.result_streams:
+            if not self.state.result_streams or self.probing:
                 if not self.future.done():
                     self.future.set_result((message, nbytes))
                 return True

@@ -325,7 +325,11 @@ class Client(ClientCore):
         """For a call with a streamed argument: its streams (the waiter of
         its answer), and what starts sending the items once the call has
         its id."""
-        streams = CallStreams(CallState(CLIENT, True), _driver(session), method, metrics)
+        # Probing as a plain call does (see _calls_in_flight): a method
+        # that streams its result answers with its first item.
+        probing = session.calls.probes(method)
+        streams = CallStreams(CallState(CLIENT, True, probing, 1 if probing else 0),
+                              _driver(session), method, metrics, probing=probing)
         streams.state.send(protocol.Kind.REQUEST)
         return streams, lambda call_id: self._start_pump(streams, call_id, source)
 

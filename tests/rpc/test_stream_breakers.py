@@ -49,6 +49,16 @@ class Recorder(rpc.Service):
             yield i
 
     @rpc.method
+    async def doubled(self, values: AsyncIterator[int]) -> AsyncIterator[int]:
+        self.seen.append("doubling")
+        try:
+            async for value in values:
+                yield 2 * value
+        finally:
+            self.seen.append("stopped")
+            self.stopped.set()
+
+    @rpc.method
     async def endless(self) -> AsyncIterator[int]:
         self.seen.append("started")
         try:
@@ -224,6 +234,58 @@ async def test_a_unary_call_of_a_streaming_method_fails_clearly(method: str,
                         await recorder.stopped.wait()
                         recorder.stopped.clear()
             assert client.metrics()[method]["errors"] == 2
+    finally:
+        await server.close(grace=0)
+
+
+async def numbers(n: int) -> AsyncIterator[int]:
+    for i in range(n):
+        yield i
+
+
+async def test_a_unary_call_with_a_streamed_argument_of_a_streaming_method_fails_clearly(
+) -> None:
+    recorder = Recorder()
+    server = tw.Server([recorder])
+    (address,) = await server.start("tcp://127.0.0.1:0")
+    try:
+        async with tw.connect(address) as client:
+            for attempt in range(1, 3):  # each time, not only the first
+                with pytest.raises(Unimplemented, match="call it with stream"):
+                    async with asyncio.timeout(5):  # it never waits for its deadline
+                        await client.call("Recorder.doubled", numbers(1000), timeout=60)
+                # The server heard the call's end (CANCEL): its generator stopped.
+                async with asyncio.timeout(5):
+                    while recorder.seen.count("stopped") < attempt:
+                        await recorder.stopped.wait()
+                        recorder.stopped.clear()
+            assert recorder.seen == ["doubling", "stopped"] * 2
+            # The same connection goes on, both ways.
+            assert [x async for x in client.stream("Recorder.doubled", numbers(3))] == [0, 2, 4]
+            assert await client.call("Recorder.unary", 2) == 2
+            assert len(server.transport_stats()) == 1
+            assert client.metrics()["Recorder.doubled"]["errors"] == 2
+    finally:
+        await server.close(grace=0)
+
+
+async def test_a_unary_method_with_a_streamed_argument_is_asked_for_a_stream_once() -> None:
+    server = tw.Server([Recorder()])
+    (address,) = await server.start("tcp://127.0.0.1:0")
+    try:
+        async with tw.connect(address) as client:
+
+            async def messages_sent_by(coro: Any) -> int:
+                before = client.transport_stats()[address]["messages_sent"]
+                await coro
+                await asyncio.sleep(0.05)  # what a call posts goes out in its loop turn
+                return client.transport_stats()[address]["messages_sent"] - before
+
+            # REQUEST, two ITEMs and END; the first call also a CREDIT of 1.
+            assert await messages_sent_by(client.call("Recorder.collect", numbers(2))) == 5
+            assert await messages_sent_by(client.call("Recorder.collect", numbers(2))) == 4
+            # A plain call of the same method knows it too.
+            assert await messages_sent_by(client.call("Recorder.unary", 1)) == 2
     finally:
         await server.close(grace=0)
 
