@@ -77,12 +77,14 @@ def measure(size: int, repeats: int, rounds: int) -> dict[tuple[int, int], dict[
 
 def write(results: dict[tuple[int, int], dict[str, list[float]]], size: int, command: str,
           output: Path) -> None:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())
     lines = [
         "# Copy speed by alignment",
         "",
         f"Command: `{command}`",
         "",
-        f"- CPU: {_cpu()}, {os.cpu_count()} cores; Linux {platform.release()}; "
+        f"- CPU: {cpu}, {os.cpu_count()} cores; Linux {platform.release()}; "
         f"Python {platform.python_version()}; NumPy {np.__version__}",
         f"- {size >> 20} MiB copied within one process, source and destination backed by "
         "huge pages and faulted in before timing; each figure the median of the rounds' "
@@ -99,16 +101,6 @@ def write(results: dict[tuple[int, int], dict[str, list[float]]], size: int, com
         lines.append(f"| {src} | {dst} | {cells[0]} | {cells[1]} |")
     lines.append("")
     output.write_text("\n".join(lines))
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
