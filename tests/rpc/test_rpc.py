@@ -32,6 +32,7 @@ from tensorwire.rpc import protocol as p
 from tensorwire.transports import Limits, TransportConfig
 from tensorwire.transports import connect as transport_connect
 
+from ..transports.test_conformance import at_offset
 from .services import Store
 
 
@@ -67,10 +68,7 @@ async def test_tensors_and_nested_values_round_trip(url: str) -> None:
 
 async def test_server_receives_tensors_without_copies(url: str) -> None:
     # 16 bytes past a 64-byte boundary, as NumPy's large arrays are.
-    raw = np.empty((1 << 23) + 64, np.uint8)
-    start = (16 - raw.ctypes.data) % 64
-    array = raw[start : start + (1 << 23)].view(np.float64)
-    array[:] = np.arange(1 << 20)
+    array = at_offset(np.arange(1 << 20, dtype=np.float64).view(np.uint8), 16).view(np.float64)
     async with serving(url) as server, tw.connect(server.addresses[0]) as client:
         seen = await client.proxy(Store).inspect(array)
     # The handler's array owns no memory: it is a view whose root is the
