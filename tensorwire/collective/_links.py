@@ -25,11 +25,6 @@ from ._runtime import Runtime
 
 __all__ = ("Links", "ScratchPool", "nbytes", "run_all", "settle")
 
-#: A message this small fits the socket buffers of any peer, so sending it
-#: before receiving cannot deadlock and needs no task of its own.
-_EAGER_BYTES = 4096
-
-
 async def run_all(*coros: Coroutine[Any, Any, Any]) -> None:
     """Run ``coros`` concurrently; the first failure cancels the rest and is raised."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -174,11 +169,17 @@ class Links:
         except TransportError as exc:
             raise RankFailedError(f"group {self.id}: cannot connect the ranks: {exc}") from exc
 
+    @staticmethod
+    def _message(op: Op, step: int, frames: Sequence[Any]) -> list[Any]:
+        """``frames`` as the message of ``op`` at ``step`` (the header
+        first), counted in the operation's bytes out."""
+        op.bytes_out += sum(nbytes(f) for f in frames)
+        return [HEAD.pack(op.seq, step) + op.sig, *frames]
+
     async def send(self, peer: int, op: Op, step: int, frames: Sequence[Any]) -> None:
         """Send ``frames`` as ``peer``'s message of ``op`` at ``step``."""
-        op.bytes_out += sum(nbytes(f) for f in frames)
         try:
-            await self.peers[peer].send([HEAD.pack(op.seq, step) + op.sig, *frames])
+            await self.peers[peer].send(self._message(op, step, frames))
         except ConnectionClosedError as exc:
             raise await self._log.lost(peer, exc) from exc
 
@@ -214,12 +215,33 @@ class Links:
 
     async def exchange(self, op: Op, step: int, dst: int, send: Sequence[Any],
                        src: int, recv: Sequence[Any]) -> None:
-        """Send to ``dst`` and receive from ``src`` at the same time."""
-        if sum(nbytes(f) for f in send) <= _EAGER_BYTES:
-            await self.send(dst, op, step, send)
+        """Send to ``dst`` and receive from ``src`` at the same time.
+
+        The message is posted (``send_nowait``: whatever the transport
+        cannot send at once goes out in the background) before the receive
+        waits, so two ranks exchanging with each other cannot deadlock and
+        neither side needs a task per direction; the send is awaited last,
+        since the caller reuses ``send`` afterwards.
+        """
+        try:
+            sending = self.peers[dst].send_nowait([self._message(op, step, send)])
+        except ConnectionClosedError as exc:
+            raise await self._log.lost(dst, exc) from exc
+        try:
             await self.recv(src, op, step, recv)
-        else:
-            await run_all(self.send(dst, op, step, send), self.recv(src, op, step, recv))
+        except BaseException:
+            if sending is not None:
+                # The operation failed; what the send ends with is ours to
+                # collect, not asyncio's "exception was never retrieved".
+                sending.add_done_callback(_collect)
+            raise
+        if sending is not None:
+            try:
+                # Shielded: cancelling the operation must not cut a message
+                # short on the connection (the transport finishes it).
+                await asyncio.shield(sending)
+            except ConnectionClosedError as exc:
+                raise await self._log.lost(dst, exc) from exc
 
     def per_segment(self, flat: Flat) -> int:
         """How many items of ``flat`` travel in one message of a pipelined algorithm."""

@@ -5,6 +5,7 @@ test_processes.py."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
@@ -101,6 +102,36 @@ async def test_a_large_allreduce_does_not_copy_its_payload() -> None:
             assert float(x[0]) == 2.0 and float(x[-1]) == 2.0
         # Both ranks in this process: two segments of scratch, not 2 x 32 MiB.
         assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB while reducing 2 x 32 MiB"
+    finally:
+        await asyncio.gather(*(g.close() for g in groups))
+        await server.close(grace=0)
+
+
+@pytest.mark.parametrize("scheme", ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed"))])
+async def test_exchanges_larger_than_the_socket_buffers_do_not_deadlock(scheme: str) -> None:
+    # Both ranks post 16 MiB to each other before either receives: more
+    # than the kernel buffers (tcp://) or an eager send (ucx://, a
+    # rendezvous) hold, so each send can finish only while the other rank
+    # receives. Recursive doubling (forced by small_bytes) and alltoall
+    # run on Links.exchange.
+    config = GroupConfig(timeout=60, rendezvous_timeout=20, small_bytes=64 << 20)
+    groups, server = await make_groups(2, listen=f"{scheme}://127.0.0.1:0", config=config)
+    count = 4 << 20  # float32: 16 MiB
+    try:
+        xs = [np.full(count, g.rank + 1, np.float32) for g in groups]
+        xs[1][-1] = 7
+        await asyncio.wait_for(asyncio.gather(*(
+            g.allreduce(x) for g, x in zip(groups, xs, strict=True))), 50)
+        for x in xs:
+            assert float(x[0]) == 3.0 and float(x[-1]) == 8.0
+        assert all(g.metrics()["allreduce"]["bytes_out"] == count * 4 for g in groups)
+        sent = [np.arange(2 * count, dtype=np.float32).reshape(2, -1) + g.rank * 10
+                for g in groups]
+        got = await asyncio.wait_for(asyncio.gather(*(
+            g.alltoall(a) for g, a in zip(groups, sent, strict=True))), 50)
+        for rank, result in enumerate(got):
+            np.testing.assert_array_equal(result, np.stack([sent[0][rank], sent[1][rank]]))
     finally:
         await asyncio.gather(*(g.close() for g in groups))
         await server.close(grace=0)
