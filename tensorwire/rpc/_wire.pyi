@@ -8,6 +8,7 @@ from .protocol import Message
 
 class ValueMessage(Message):
     value: list[Any]
+    def __init__(self, call_id: int, value: list[Any]) -> None: ...
     @property
     def payload(self) -> list[Any]: ...
 
@@ -22,11 +23,9 @@ class Request(ValueMessage):
 
 class Response(ValueMessage):
     kind: ClassVar[Kind]
-    def __init__(self, call_id: int, value: list[Any]) -> None: ...
 
 class Item(ValueMessage):
     kind: ClassVar[Kind]
-    def __init__(self, call_id: int, value: list[Any]) -> None: ...
 
 REQUEST: int
 RESPONSE: int

@@ -65,6 +65,10 @@ cdef class ValueMessage:
     #: The names of its fields, in the order of its constructor's arguments.
     _names = ("call_id", "value")
 
+    def __init__(self, call_id, value):
+        self.call_id = call_id
+        self.value = value
+
     @property
     def payload(self):
         return self.value
@@ -108,20 +112,12 @@ cdef class Response(ValueMessage):
     kind = Kind.RESPONSE
     fields = ()
 
-    def __init__(self, call_id, value):
-        self.call_id = call_id
-        self.value = value
-
 
 cdef class Item(ValueMessage):
     """ITEM: one item of a stream, its frames as ``value``."""
 
     kind = Kind.ITEM
     fields = ()
-
-    def __init__(self, call_id, value):
-        self.call_id = call_id
-        self.value = value
 
 
 # --- little-endian fields ------------------------------------------------------
