@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..collective import Algorithm, ReduceOp, SyncGroup
-from ..errors import InvalidArgument
+from ..errors import FailedPrecondition, InvalidArgument
 
 __all__ = ("DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters")
 
@@ -31,30 +31,48 @@ class DistributedOptimizer:
     fixed order (the reverse of the parameters' order, the order backward
     usually produces them): one that is ready early waits only for those
     before it, so every rank queues the same operations in the same order.
-    One backward pass per ``step()``; every rank must produce gradients
-    for the same parameters.
+    Every rank must produce gradients for the same parameters.
+
+    Gradient accumulation, as Horovod spells it: with
+    ``backward_passes_per_step=N`` a gradient is reduced when autograd has
+    accumulated it for the N-th time since the last ``step()``, so N
+    micro-batches are summed locally and cross the network once (divide
+    the loss by N for their mean). A further backward pass before
+    ``step()`` raises ``FailedPrecondition`` from ``backward()``: its
+    gradient was added into a tensor whose reduction is in flight, so the
+    step's gradients are not to be trusted.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``; its parameters are reduced.
         group: the ranks to average over.
         op: ``ReduceOp.AVG`` (default) or ``ReduceOp.SUM``.
         algorithm: the group's algorithm choice per gradient.
+        backward_passes_per_step: backward passes accumulated per ``step()``.
 
     Raises:
-        InvalidArgument: a parameter that is not a leaf, or one listed twice.
+        InvalidArgument: a parameter that is not a leaf, or one listed
+            twice; ``backward_passes_per_step`` below 1.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, group: SyncGroup, *,
-                 op: ReduceOp | str = ReduceOp.AVG, algorithm: Algorithm = "auto") -> None:
+                 op: ReduceOp | str = ReduceOp.AVG, algorithm: Algorithm = "auto",
+                 backward_passes_per_step: int = 1) -> None:
+        if (not isinstance(backward_passes_per_step, int)
+                or isinstance(backward_passes_per_step, bool) or backward_passes_per_step < 1):
+            raise InvalidArgument(f"backward_passes_per_step must be an int of at least 1, "
+                                  f"got {backward_passes_per_step!r}")
         self.optimizer = optimizer
         self.group = group
         self.op = ReduceOp(op)
         self.algorithm: Algorithm = algorithm
+        self.backward_passes_per_step = backward_passes_per_step
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if len({id(p) for p in params}) != len(params):
             raise InvalidArgument("a parameter appears twice in the optimizer's groups")
         self._order: list[torch.Tensor] = params[::-1]
         self._index = {id(p): i for i, p in enumerate(self._order)}
+        #: Backward passes each parameter's gradient has had since the last step.
+        self._passes = [0] * len(self._order)
         self._ready: set[int] = set()
         self._next = 0
         self._pending: list[concurrent.futures.Future[Any]] = []
@@ -66,7 +84,17 @@ class DistributedOptimizer:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         """Autograd accumulated ``param``'s gradient: start what may start, in order."""
-        self._ready.add(self._index[id(param)])
+        index = self._index[id(param)]
+        self._passes[index] += 1
+        if self._passes[index] > self.backward_passes_per_step:
+            raise FailedPrecondition(
+                f"a gradient was computed {self._passes[index]} times since the last step(), "
+                f"with backward_passes_per_step={self.backward_passes_per_step}: its reduction "
+                f"was already under way (call step(), or raise backward_passes_per_step to "
+                f"accumulate more passes locally)")
+        if self._passes[index] < self.backward_passes_per_step:
+            return
+        self._ready.add(index)
         while self._next in self._ready:
             self._launch(self._order[self._next])
             self._next += 1
@@ -91,6 +119,7 @@ class DistributedOptimizer:
         pending, self._pending = self._pending, []
         self._ready.clear()
         self._next = 0
+        self._passes = [0] * len(self._order)
         for future in pending:
             future.result()
 

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import tensorwire.torch as twt
 from tensorwire import ps
 from tensorwire.collective import GroupConfig, SyncGroup
+from tensorwire.errors import FailedPrecondition
 
 CONFIG = GroupConfig(timeout=30, rendezvous_timeout=60, heartbeat_interval=1,
                      heartbeat_timeout=20)
@@ -134,6 +135,39 @@ def optimizer(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
         torch.equal(state["state"][i]["exp_avg"], want["state"][i]["exp_avg"])
         for i in want["state"]))
     return {"diff": diff, "start_equal": start_equal, "state_equal": state_equal}
+
+
+def accumulate(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
+    """DistributedOptimizer with two backward passes per step (each on half
+    of this rank's batch, the loss halved) against one process on the
+    concatenated batch; then a third pass before step() must raise."""
+    x, y = digits()
+    steps = 10
+    net = model()
+    opt = twt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9),
+                                   group, backward_passes_per_step=2)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step in range(steps):
+        xb, yb = batch(x, y, step, rank, world)
+        opt.zero_grad()
+        for half in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
+            (loss_fn(net(xb[half]), yb[half]) / 2).backward()
+        opt.step()
+    alone = model()
+    train(alone, torch.optim.SGD(alone.parameters(), lr=0.2, momentum=0.9), steps,
+          lambda s: global_batch(x, y, s, world))
+    diff = float((flat(net) - flat(alone)).abs().max())
+    moved = float((flat(net) - flat(model())).abs().max())
+    xb, yb = batch(x, y, 0, rank, world)
+    opt.zero_grad()
+    raised = ""
+    for _ in range(3):
+        try:
+            loss_fn(net(xb), yb).backward()
+        except FailedPrecondition as exc:
+            raised = str(exc)
+    opt.synchronize()  # what the first two passes started, on every rank
+    return {"diff": diff, "moved": moved, "raised": raised}
 
 
 def ps_hook(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
@@ -264,7 +298,8 @@ def kill(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
     return {"raised": None}
 
 
-SCENARIOS = {"ddp": ddp, "optimizer": optimizer, "ps": ps_hook, "ps_ucx": ps_ucx,
+SCENARIOS = {"ddp": ddp, "optimizer": optimizer, "accumulate": accumulate, "ps": ps_hook,
+             "ps_ucx": ps_ucx,
              "compress": compress,
              "kill": kill, "ddp_cuda": functools.partial(ddp, device="cuda")}
 

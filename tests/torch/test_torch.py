@@ -92,6 +92,31 @@ async def test_distributed_optimizer_matches_one_process(tmp_path: Path) -> None
         assert r["state_equal"], r
 
 
+async def test_distributed_optimizer_accumulates_backward_passes(tmp_path: Path) -> None:
+    # Two backward passes a step, reduced once: the same weights as one
+    # process on the concatenated batch. A third pass before step() would
+    # add into gradients whose reduction is in flight: it raises.
+    reports, log, code = await run("accumulate", 2, tmp_path)
+    assert code == [0] * len(code), log[-4000:]
+    assert len(reports) == 2, log[-4000:]
+    for r in reports:
+        assert r["moved"] > 1e-2, r
+        assert r["diff"] < 1e-5, r
+        assert "computed 3 times since the last step()" in r["raised"], r
+
+
+@pytest.mark.parametrize("passes", [0, -1, 1.5, True, "2"])
+def test_distributed_optimizer_refuses_a_bad_number_of_passes(passes: Any) -> None:
+    import torch
+
+    import tensorwire.torch as twt
+    from tensorwire.errors import InvalidArgument
+
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(InvalidArgument, match="backward_passes_per_step"):
+        twt.DistributedOptimizer(sgd, None, backward_passes_per_step=passes)
+
+
 async def test_ps_hook_matches_local_sgd(tmp_path: Path) -> None:
     from tensorwire import ps
 
