@@ -253,8 +253,7 @@ async def tree_broadcast(links: Links, op: Op, flat: Flat, a: Any, root: int) ->
     parent, children = schedule.binomial_tree(links.rank, links.world_size, root)
     if parent is not None:
         await links.recv(parent, op, 0, [flat.frame(a)])
-    if children:
-        await run_all(*(links.send(c, op, 0, [flat.frame(a)]) for c in children))
+    await links.send_each(op, 0, [(c, [flat.frame(a)]) for c in children])
 
 
 async def chain_broadcast(links: Links, op: Op, flat: Flat, a: Any, root: int) -> None:
@@ -551,10 +550,8 @@ async def run_scatter(links: Links, o: Op, flat: Flat, source: Flat | None, root
         return flat.result()
     s = source.array
     flat.array[...] = s[root * count:(root + 1) * count]
-    await run_all(*(
-        links.send(peer, o, 0, [source.frame(s[peer * count:(peer + 1) * count])])
-        for peer in range(n) if peer != root
-    ))
+    await links.send_each(o, 0, [(peer, [source.frame(s[peer * count:(peer + 1) * count])])
+                                 for peer in range(n) if peer != root])
     return flat.result()
 
 

@@ -223,10 +223,7 @@ class Links:
         neither side needs a task per direction; the send is awaited last,
         since the caller reuses ``send`` afterwards.
         """
-        try:
-            sending = self.peers[dst].send_nowait([self._message(op, step, send)])
-        except ConnectionClosedError as exc:
-            raise await self._log.lost(dst, exc) from exc
+        sending = await self._post(dst, op, step, send)
         try:
             await self.recv(src, op, step, recv)
         except BaseException:
@@ -236,12 +233,44 @@ class Links:
                 sending.add_done_callback(_collect)
             raise
         if sending is not None:
-            try:
-                # Shielded: cancelling the operation must not cut a message
-                # short on the connection (the transport finishes it).
-                await asyncio.shield(sending)
-            except ConnectionClosedError as exc:
-                raise await self._log.lost(dst, exc) from exc
+            await self._sent(dst, sending)
+
+    async def send_each(self, op: Op, step: int,
+                        messages: Sequence[tuple[int, Sequence[Any]]]) -> None:
+        """Send each ``(peer, frames)`` of ``messages`` as that peer's
+        message of ``op`` at ``step``, all at once: every message is posted
+        (``send_nowait``) before any is awaited, so a slow peer holds up
+        none of the others, and no peer needs a task of its own."""
+        pending: list[tuple[int, asyncio.Future[None]]] = []
+        try:
+            for peer, frames in messages:
+                sending = await self._post(peer, op, step, frames)
+                if sending is not None:
+                    pending.append((peer, sending))
+            for peer, sending in pending:
+                await self._sent(peer, sending)
+        except BaseException:
+            for _, sending in pending:
+                sending.add_done_callback(_collect)
+            raise
+
+    async def _post(self, peer: int, op: Op, step: int,
+                    frames: Sequence[Any]) -> asyncio.Future[None] | None:
+        """Post ``frames`` to ``peer`` without waiting (``send_nowait``):
+        None when it went out at once, else the future of the rest."""
+        try:
+            return self.peers[peer].send_nowait([self._message(op, step, frames)])
+        except ConnectionClosedError as exc:
+            raise await self._log.lost(peer, exc) from exc
+
+    async def _sent(self, peer: int, sending: asyncio.Future[None]) -> None:
+        """Wait until what ``_post`` left to ``peer`` has gone."""
+        try:
+            # Shielded: cancelling the operation must not cut a message
+            # short on the connection (the transport finishes it).
+            await asyncio.shield(sending)
+        except ConnectionClosedError as exc:
+            raise await self._log.lost(peer, exc) from exc
 
     def per_segment(self, flat: Flat) -> int:
         """How many items of ``flat`` travel in one message of a pipelined algorithm."""
