@@ -73,7 +73,6 @@ class DistributedOptimizer:
         self._index = {id(p): i for i, p in enumerate(self._order)}
         #: Backward passes each parameter's gradient has had since the last step.
         self._passes = [0] * len(self._order)
-        self._ready: set[int] = set()
         self._next = 0
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._handles = []
@@ -92,10 +91,10 @@ class DistributedOptimizer:
                 f"with backward_passes_per_step={self.backward_passes_per_step}: its reduction "
                 f"was already under way (call step(), or raise backward_passes_per_step to "
                 f"accumulate more passes locally)")
-        if self._passes[index] < self.backward_passes_per_step:
-            return
-        self._ready.add(index)
-        while self._next in self._ready:
+        # In order: each gradient waits for those before it to have had
+        # all their passes.
+        while (self._next < len(self._order)
+               and self._passes[self._next] >= self.backward_passes_per_step):
             self._launch(self._order[self._next])
             self._next += 1
 
@@ -117,7 +116,6 @@ class DistributedOptimizer:
         for param in self._order[self._next:]:
             self._launch(param)
         pending, self._pending = self._pending, []
-        self._ready.clear()
         self._next = 0
         self._passes = [0] * len(self._order)
         for future in pending:
