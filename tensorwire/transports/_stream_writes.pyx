@@ -1,29 +1,41 @@
 """Writing messages on a byte stream, compiled (issue 22): a batch of
-messages as the buffers of one scatter-gather write (header, then the frames
-themselves, never joined), and that write on a non-blocking socket.
+messages as the buffers of one scatter-gather write, and that write on a
+non-blocking socket.
 
 ``outgoing_many`` turns everything a connection was given in one loop turn
-into one list of buffers; ``write_some`` puts as much of it as the socket
-takes into one ``sendmsg`` (IOV_MAX buffers at a time), and leaves the rest
-at the front of the list for the next try.
+into one list of buffers: a message's header, then its frames themselves
+(zero-copy views), except that consecutive small one-frame messages (an RPC
+call's REQUEST or RESPONSE) are copied, headers and all, into one buffer of
+their own, since copying a few hundred bytes costs less than a buffer each
+(a header object, a buffer request and an iovec entry per message).
+``write_some`` puts as much of the list as the socket takes into one
+``sendmsg`` (IOV_MAX buffers at a time), and leaves the rest at the front
+of the list for the next try.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytes cimport PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_SetFromErrno
 from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 from ._frames import device_nbytes, host_view, is_device_frame
 from ._stream_framing import pack_header
 
-from ._frame_table cimport ONE_FRAME_HEADER_SIZE, one_frame_header
+from ._frame_table cimport ONE_DATA_PRELUDE_WORD, ONE_FRAME_HEADER_SIZE, store_u64le
 
-__all__ = ("IOV_MAX", "outgoing", "outgoing_many", "write_some")
+__all__ = ("IOV_MAX", "JOIN_MAX", "outgoing", "outgoing_many", "write_some")
 
 #: sendmsg() takes at most this many buffers per call (IOV_MAX on Linux).
 IOV_MAX = 1024
 cdef Py_ssize_t _IOV_MAX = IOV_MAX
+
+#: A one-frame message whose frame is a bytes object of at most this many
+#: bytes is copied into the buffer it shares with the small messages next to
+#: it in the batch (see the module); larger frames always go as views.
+JOIN_MAX = 4096
+cdef Py_ssize_t _JOIN_MAX = JOIN_MAX
 
 
 cdef extern from "<sys/uio.h>":
@@ -44,6 +56,39 @@ cdef extern from "<sys/socket.h>":
     int MSG_NOSIGNAL
 
 
+cdef inline Py_ssize_t _small_size(frames) except -2:
+    """The frame's bytes if ``frames`` is a small one-frame message (a
+    bytes frame of at most JOIN_MAX bytes), else -1."""
+    if type(frames) is not list and type(frames) is not tuple:
+        return -1
+    if len(frames) != 1:
+        return -1
+    frame = frames[0]
+    if type(frame) is not bytes or PyBytes_GET_SIZE(frame) > _JOIN_MAX:
+        return -1
+    return PyBytes_GET_SIZE(frame)
+
+
+cdef Py_ssize_t _append_joined(list buffers, list batch, Py_ssize_t start,
+                               Py_ssize_t end, Py_ssize_t nbytes) except -1:
+    """Append the small one-frame messages ``batch[start:end]``, of
+    ``nbytes`` on the wire in all, to ``buffers`` as one bytes object:
+    each message's header, then its frame."""
+    joined = PyBytes_FromStringAndSize(NULL, nbytes)
+    cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(joined)
+    cdef Py_ssize_t index, size
+    for index in range(start, end):
+        frame = batch[index][0]
+        size = PyBytes_GET_SIZE(frame)
+        store_u64le(p, ONE_DATA_PRELUDE_WORD)
+        store_u64le(p + 8, size)
+        store_u64le(p + 16, 0)
+        memcpy(p + ONE_FRAME_HEADER_SIZE, PyBytes_AS_STRING(frame), size)
+        p += ONE_FRAME_HEADER_SIZE + size
+    buffers.append(joined)
+    return nbytes
+
+
 cdef Py_ssize_t _append_message(list buffers, frames, owner) except -1:
     """Append the buffers of one message to ``buffers``; its bytes.
 
@@ -52,13 +97,6 @@ cdef Py_ssize_t _append_message(list buffers, frames, owner) except -1:
     ``device_bytes_staged`` of ``owner`` (the connection that sends it).
     """
     cdef Py_ssize_t nbytes, total, index
-    if len(frames) == 1 and type(frames[0]) is bytes:
-        # A small RPC message (its header frame holds the value).
-        frame = frames[0]
-        nbytes = PyBytes_GET_SIZE(frame)
-        buffers.append(one_frame_header(nbytes))
-        buffers.append(frame)
-        return ONE_FRAME_HEADER_SIZE + nbytes
     cdef list sizes = []
     cdef list devices = None
     cdef list views = []
@@ -96,9 +134,7 @@ cdef Py_ssize_t _append_message(list buffers, frames, owner) except -1:
 def outgoing(frames, owner=None):
     """The buffers that put ``frames`` on a byte stream: header, then frames
     (see ``outgoing_many``)."""
-    cdef list buffers = []
-    _append_message(buffers, frames, owner)
-    return buffers
+    return outgoing_many((frames,), owner)[0]
 
 
 def outgoing_many(messages, owner):
@@ -111,10 +147,26 @@ def outgoing_many(messages, owner):
     Raises:
         TransportError: a frame that is neither a contiguous buffer nor CUDA memory.
     """
+    cdef list batch = messages if type(messages) is list else list(messages)
     cdef list buffers = []
-    cdef Py_ssize_t total = 0
-    for frames in messages:
-        total += _append_message(buffers, frames, owner)
+    cdef Py_ssize_t total = 0, index = 0, end, size, joined
+    cdef Py_ssize_t count = len(batch)
+    while index < count:
+        # The run of small one-frame messages from here, if any: one buffer.
+        end = index
+        joined = 0
+        while end < count:
+            size = _small_size(batch[end])
+            if size < 0:
+                break
+            joined += ONE_FRAME_HEADER_SIZE + size
+            end += 1
+        if end > index:
+            total += _append_joined(buffers, batch, index, end, joined)
+            index = end
+        else:
+            total += _append_message(buffers, batch[index], owner)
+            index += 1
     return buffers, total
 
 
