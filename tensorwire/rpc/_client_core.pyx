@@ -242,7 +242,7 @@ cdef class ClientCore:
         metrics.bytes_in += nbytes
         if type(message) is not Response:
             raise unexpected_answer(message, method)
-        return self._decoder.decode_frames((<Response>message).value)
+        return (<Response>message).decode_value(self._decoder)
 
     cpdef list _encode_arguments(self, tuple args, dict kwargs):
         """The frames of a request's value ``[args, kwargs]``."""

@@ -389,7 +389,7 @@ cpdef tuple unpack_arguments(Request request, Method method, Decoder decoder):
         InvalidArgument: the value does not decode, or is not [args, kwargs].
     """
     try:
-        value = decoder.decode_frames(request.value)
+        value = request.decode_value(decoder)
     except _DecodeError as exc:
         raise InvalidArgument(f"the arguments of {method.name} do not decode: {exc}") from None
     if type(value) is list and len(value) == 2:

@@ -5,12 +5,20 @@
 
 from libc.stdint cimport uint64_t
 
+from ..serde._decoder cimport Decoder
+
 
 cdef class ValueMessage:
     cdef public object call_id
-    cdef public object value
+    # The value's frames (``value``), made on first use for a parsed
+    # message, which keeps the frames it came in (_received) and where
+    # its value's serde header starts in the first (_start) instead.
+    cdef object _value
+    cdef list _received
+    cdef Py_ssize_t _start
 
     cdef tuple _fields(self)
+    cdef object decode_value(self, Decoder decoder)
 
 
 cdef class Request(ValueMessage):

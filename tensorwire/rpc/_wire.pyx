@@ -18,6 +18,8 @@ from libc.math cimport isfinite, signbit
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
+from ..serde._decoder cimport Decoder
+
 from ..errors import ProtocolError
 from ._kinds import Kind
 
@@ -58,9 +60,15 @@ cdef class ValueMessage:
     (its serde header, then its buffers). Compiled classes, not dataclasses
     as the other kinds (``protocol``): their fields are C fields, which the
     RPC core reads and fills in without a Python attribute lookup; they are
-    registered as ``protocol.Message`` subclasses."""
+    registered as ``protocol.Message`` subclasses.
 
-    # Its fields are declared in _wire.pxd: call_id, value.
+    A parsed message decodes its value from the frames it came in, its
+    serde header read where it lies (``decode_value``): the header is
+    copied out, and the list of the value's frames made, only when
+    ``value`` is asked for."""
+
+    # Its fields are declared in _wire.pxd: call_id, _value, _received,
+    # _start.
 
     #: The names of its fields, in the order of its constructor's arguments.
     _names = ("call_id", "value")
@@ -70,8 +78,41 @@ cdef class ValueMessage:
         self.value = value
 
     @property
+    def value(self):
+        """The value's frames: its serde header, then its buffers."""
+        if self._value is None and self._received is not None:
+            raw = self._received[0]
+            self._value = _value(self._received, _tail(raw, self._start))
+        return self._value
+
+    @value.setter
+    def value(self, value):
+        self._value = value
+        self._received = None
+
+    @property
     def payload(self):
         return self.value
+
+    cdef object decode_value(self, Decoder decoder):
+        """The value, decoded by ``decoder`` (its ``decode_frames``).
+
+        Raises:
+            DecodeError: as ``Decoder.decode_frames``.
+        """
+        cdef list received = self._received
+        if received is None or len(received) != 1:
+            return decoder.decode_frames(self.value)
+        raw = received[0]
+        # A one-frame message, as the transports deliver a small one: its
+        # header is decoded in place.
+        if type(raw) is bytearray:
+            return decoder._decode(<const uint8_t*>PyByteArray_AS_STRING(raw) + self._start,
+                                   PyByteArray_GET_SIZE(raw) - self._start, ())
+        if type(raw) is bytes:
+            return decoder._decode(<const uint8_t*>PyBytes_AS_STRING(raw) + self._start,
+                                   PyBytes_GET_SIZE(raw) - self._start, ())
+        return decoder.decode_frames(self.value)
 
     cdef tuple _fields(self):
         return (self.call_id, self.value)
@@ -170,11 +211,14 @@ cdef inline object _kind_name(int kind):
     return {KIND_REQUEST: "REQUEST", KIND_RESPONSE: "RESPONSE", KIND_ITEM: "ITEM"}[kind]
 
 
-cdef object _tail(object raw, const uint8_t* data, Py_ssize_t start, Py_ssize_t size):
-    """The frame (``raw``, its ``size`` bytes at ``data``) from ``start``
-    on: the value's serde header."""
-    if size <= COPY_MAX and (type(raw) is bytearray or type(raw) is bytes):
-        return PyBytes_FromStringAndSize(<const char*>data + start, size - start)
+cdef object _tail(object raw, Py_ssize_t start):
+    """The frame ``raw`` from ``start`` on: the value's serde header."""
+    if type(raw) is bytearray and PyByteArray_GET_SIZE(raw) <= COPY_MAX:
+        return PyBytes_FromStringAndSize(PyByteArray_AS_STRING(raw) + start,
+                                         PyByteArray_GET_SIZE(raw) - start)
+    if type(raw) is bytes and PyBytes_GET_SIZE(raw) <= COPY_MAX:
+        return PyBytes_FromStringAndSize(PyBytes_AS_STRING(raw) + start,
+                                         PyBytes_GET_SIZE(raw) - start)
     view = memoryview(raw)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
@@ -189,8 +233,14 @@ cdef list _value(object frames, object head):
     return value
 
 
-cdef object _parse_reply(int kind, const uint8_t* data, Py_ssize_t size, object raw,
-                         object frames):
+cdef inline void _keep_received(ValueMessage message, object frames, Py_ssize_t start) except *:
+    """``message`` takes its value from ``frames`` (see ``ValueMessage``),
+    its serde header from ``start`` in the first."""
+    message._received = frames if type(frames) is list else list(frames)
+    message._start = start
+
+
+cdef object _parse_reply(int kind, const uint8_t* data, Py_ssize_t size, object frames):
     if size <= REPLY_SIZE:
         raise ProtocolError(f"{_kind_name(kind)} without its value")
     if _u64(data) != <uint64_t>kind:
@@ -198,17 +248,16 @@ cdef object _parse_reply(int kind, const uint8_t* data, Py_ssize_t size, object 
     cdef uint64_t call_id = _u64(data + 8)
     if call_id >= _CALL_ID_END:
         raise ProtocolError(f"bad call id {call_id}")
-    value = _value(frames, _tail(raw, data, REPLY_SIZE, size))
     # Made by the types' allocators, without their __init__ (no arguments
     # to parse).
     cdef ValueMessage message = (Response.__new__(Response) if kind == KIND_RESPONSE
                                  else Item.__new__(Item))
     message.call_id = call_id
-    message.value = value
+    _keep_received(message, frames, REPLY_SIZE)
     return message
 
 
-cdef object _parse_request(const uint8_t* data, Py_ssize_t size, object raw, object frames):
+cdef object _parse_request(const uint8_t* data, Py_ssize_t size, object frames):
     if size < REQUEST_SIZE:
         raise ProtocolError(f"REQUEST header of {size} bytes is cut short")
     cdef uint8_t flags = data[1]
@@ -242,7 +291,7 @@ cdef object _parse_request(const uint8_t* data, Py_ssize_t size, object raw, obj
     message.method = method
     message.timeout = timeout if flags else None
     message.stream_arg = stream_arg
-    message.value = _value(frames, _tail(raw, data, start, size))
+    _keep_received(message, frames, start)
     return message
 
 
@@ -277,9 +326,9 @@ cpdef object parse_binary(object frames):
             return None
         kind = data[0]
         if kind == KIND_RESPONSE or kind == KIND_ITEM:
-            return _parse_reply(kind, data, size, raw, frames)
+            return _parse_reply(kind, data, size, frames)
         if kind == KIND_REQUEST:
-            return _parse_request(data, size, raw, frames)
+            return _parse_request(data, size, frames)
         return None
     finally:
         if release:
