@@ -5,6 +5,7 @@
 cimport cython
 
 from .._counters cimport MethodMetrics
+from ..serde._encoder cimport Encoder
 from ._calls cimport CallState
 
 
@@ -49,6 +50,7 @@ cdef class UnaryCall:
 
 cdef class CallsInFlight:
     cdef readonly dict pending
+    cdef Encoder _encoder
     cdef object _loop
     cdef object _on_other
     cdef unsigned long long _last_id
@@ -61,10 +63,10 @@ cdef class CallsInFlight:
 
     cpdef object add(self, object waiter, double expires)
     cdef object request(self, object driver, str method, double deadline, double now,
-                        int stream_arg, list payload, object waiter, MethodMetrics metrics,
+                        int stream_arg, object arguments, object waiter, MethodMetrics metrics,
                         double grace)
     cdef UnaryCall start(self, object driver, str method, double deadline, double now,
-                         list payload, MethodMetrics metrics, double grace)
+                         object arguments, MethodMetrics metrics, double grace)
     cdef void end(self, object driver, UnaryCall call, str method) except *
     cdef void _cancel_remote(self, object driver, object call_id, object waiter) except *
     cpdef bint probes(self, str method)

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._counters import MethodMetrics
+from ..serde import Encoder
 from ._calls import CallState
 from ._driver_core import DriverCore
 from .protocol import Message
@@ -29,11 +30,12 @@ class CallsInFlight:
     deadlines: list[tuple[float, int]]
     in_order: DeadlineQueue
     def __init__(self, loop: asyncio.AbstractEventLoop,
-                 on_other: Callable[[Message, int], None]) -> None: ...
+                 on_other: Callable[[Message, int], None],
+                 encoder: Encoder | None = None) -> None: ...
     def add(self, waiter: Any, expires: float) -> int: ...
     def probes(self, method: str) -> bool: ...
     async def call_streaming(self, driver: DriverCore, method: str, deadline: float,
-                             stream_arg: int, payload: list[Any], metrics: MethodMetrics,
+                             stream_arg: int, arguments: list[Any], metrics: MethodMetrics,
                              grace: float, waiter: Any,
                              on_sent: Callable[[int], asyncio.Task[None]],
                              ) -> tuple[Message, int]: ...

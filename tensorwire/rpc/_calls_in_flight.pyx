@@ -29,7 +29,8 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from .._counters cimport MethodMetrics
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore
-from ._wire cimport Response, encode_request
+from ..serde._encoder cimport Encoder
+from ._wire cimport Response, encode_request_value
 
 import asyncio
 from heapq import heapify, heappop, heappush
@@ -192,8 +193,10 @@ cdef class CallsInFlight:
     # past _compact_at. _unary: the methods that answered a probing call
     # with RESPONSE.
 
-    def __init__(self, loop, on_other):
+    def __init__(self, loop, on_other, Encoder encoder=None):
         self.pending = {}
+        # Encodes the REQUESTs' arguments (see ``request``).
+        self._encoder = Encoder() if encoder is None else encoder
         self._loop = loop
         self._on_other = on_other
         self.deadlines = []
@@ -225,17 +228,20 @@ cdef class CallsInFlight:
         return call_id
 
     cdef object request(self, object driver, str method, double deadline, double now,
-                        int stream_arg, list payload, object waiter, MethodMetrics metrics,
+                        int stream_arg, object arguments, object waiter, MethodMetrics metrics,
                         double grace):
-        """Register ``waiter`` and post the call's REQUEST with the time
-        left until ``deadline`` (loop time; ``now`` is the loop time); the
-        waiter fails at ``deadline + grace``. Returns the call id.
+        """Register ``waiter`` and post the call's REQUEST of ``arguments``
+        (its value, ``[args, kwargs]``, encoded here: its serde header and
+        the request's are written together once the call id is known) with
+        the time left until ``deadline`` (loop time; ``now`` is the loop
+        time); the waiter fails at ``deadline + grace``. Returns the call id.
 
         Raises:
             DeadlineExceeded: no time is left (the call is not sent: a
                 handler that cannot suspend would still run, and answer
                 after the deadline).
             Unavailable: the connection is gone.
+            EncodeError: the arguments cannot be encoded (nothing is sent).
         """
         cdef double remaining = deadline - now
         if remaining <= 0.0:
@@ -246,15 +252,15 @@ cdef class CallsInFlight:
         cdef DriverCore core = driver
         call_id = self.add(waiter, deadline + grace)
         try:
-            metrics.bytes_out += core.post_frames(encode_request(
-                call_id, method, min(remaining, _LONGEST), stream_arg, payload))
+            metrics.bytes_out += core.post_frames(encode_request_value(
+                call_id, method, min(remaining, _LONGEST), stream_arg, arguments, self._encoder))
         except BaseException:
             del self.pending[call_id]
             raise
         return call_id
 
     cdef UnaryCall start(self, object driver, str method, double deadline, double now,
-                         list payload, MethodMetrics metrics, double grace):
+                         object arguments, MethodMetrics metrics, double grace):
         """A unary call without a streamed argument, its REQUEST posted (see
         ``request``); the caller holds its slot, awaits its ``future``
         (then the answer is ``call.answer``, of ``call.answer_bytes``) and
@@ -273,11 +279,12 @@ cdef class CallsInFlight:
         Raises:
             DeadlineExceeded: the deadline passed before the call was sent.
             Unavailable: the connection is gone.
+            EncodeError: the arguments cannot be encoded.
         """
         cdef UnaryCall call = UnaryCall.waiting_on(self._loop.create_future(),
                                                    method not in self._unary)
         call.state.send(_REQUEST)
-        call.call_id = self.request(driver, method, deadline, now, -1, payload, call, metrics,
+        call.call_id = self.request(driver, method, deadline, now, -1, arguments, call, metrics,
                                     grace)
         if call.probing:
             call.state.send(_CREDIT, 1)
@@ -294,7 +301,7 @@ cdef class CallsInFlight:
             self._unary.add(method)
 
     async def call_streaming(self, driver, str method, double deadline, int stream_arg,
-                             list payload, MethodMetrics metrics, double grace, waiter,
+                             arguments, MethodMetrics metrics, double grace, waiter,
                              on_sent):
         """A unary call with a streamed argument: ``start``, its answer
         awaited and ``end`` for ``waiter`` (its streams), and
@@ -307,8 +314,8 @@ cdef class CallsInFlight:
         Raises:
             as ``start``, and TimeoutError and Unavailable from the wait.
         """
-        call_id = self.request(driver, method, deadline, self._loop.time(), stream_arg, payload,
-                               waiter, metrics, grace)
+        call_id = self.request(driver, method, deadline, self._loop.time(), stream_arg,
+                               arguments, waiter, metrics, grace)
         if waiter.probing:
             waiter.state.send(_CREDIT, 1)
             driver.send_soon(_Credit(call_id, 1))

@@ -19,7 +19,7 @@ cdef class SessionCore:
 
     cdef bint connected(self)
     cpdef bint take_slot(self)
-    cdef UnaryCall start(self, str method, double deadline, double now, list payload,
+    cdef UnaryCall start(self, str method, double deadline, double now, list arguments,
                          MethodMetrics metrics)
     cdef void end(self, UnaryCall call, str method) except *
 
@@ -40,4 +40,3 @@ cdef class ClientCore:
     cpdef list _encode(self, object value)
     cpdef object _result(self, object message, Py_ssize_t nbytes, MethodMetrics metrics,
                          str method)
-    cpdef list _encode_arguments(self, tuple args, dict kwargs)

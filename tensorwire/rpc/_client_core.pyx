@@ -108,13 +108,14 @@ cdef class SessionCore:
         return (self.connected() and not self.driver.reading_paused
                 and self.slots.try_acquire())
 
-    cdef UnaryCall start(self, str method, double deadline, double now, list payload,
+    cdef UnaryCall start(self, str method, double deadline, double now, list arguments,
                          MethodMetrics metrics):
-        """A unary call (no streamed argument) in flight, its REQUEST
-        posted (``CallsInFlight.start``), in a slot this session gave the
-        caller; the slot goes back if the call cannot start."""
+        """A unary call (no streamed argument) of ``arguments`` (``[args,
+        kwargs]``) in flight, its REQUEST posted (``CallsInFlight.start``),
+        in a slot this session gave the caller; the slot goes back if the
+        call cannot start."""
         try:
-            return self.calls.start(self.driver, method, deadline, now, payload, metrics,
+            return self.calls.start(self.driver, method, deadline, now, arguments, metrics,
                                     DEADLINE_GRACE)
         except BaseException:
             self.slots.release()
@@ -142,7 +143,9 @@ cdef class ClientCore:
         coroutine from the call to its answer: the call in flight starts
         and ends by C calls (``CallsInFlight.start`` and ``end``)."""
         args, source, stream_arg = split_stream(args)
-        payload = self._encode_arguments(args, kwargs)
+        # Encoded with the REQUEST, once the call has its id; a list, which
+        # the server's unpack_arguments takes as it is (a tuple it copies).
+        cdef list arguments = [list(args), kwargs]
         cdef MethodMetrics metrics = self._metrics[method]
         cdef bint retry = idempotent and source is None  # once, after losing the connection
         cdef double started = perf_now()
@@ -155,6 +158,9 @@ cdef class ClientCore:
             while True:
                 session = self._connected()
                 if session is None:
+                    # Arguments that cannot be encoded fail the call now,
+                    # not once connected.
+                    self._encode(arguments)
                     session = await self._ready_by(deadline, method)
                     now = session.loop.time()  # it waited
                 try:
@@ -163,9 +169,9 @@ cdef class ClientCore:
                         now = session.loop.time()  # it waited
                     if source is not None:
                         message, nbytes = await self._call_streaming(
-                            session, method, deadline, stream_arg, payload, metrics, source)
+                            session, method, deadline, stream_arg, arguments, metrics, source)
                     else:
-                        call = session.start(method, deadline, now, payload, metrics)
+                        call = session.start(method, deadline, now, arguments, metrics)
                         try:
                             await call.future
                         finally:
@@ -188,7 +194,7 @@ cdef class ClientCore:
             record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
 
     async def _call_streaming(self, SessionCore session, str method, double deadline,
-                              int stream_arg, list payload, MethodMetrics metrics, source):
+                              int stream_arg, list arguments, MethodMetrics metrics, source):
         """``_call``'s unary call with a streamed argument (``source``), in
         a slot the session gave it, to the answer ``(message, nbytes)``;
         the slot goes back. Rarer than a plain call: a coroutine of its
@@ -196,7 +202,7 @@ cdef class ClientCore:
         try:
             waiter, on_sent = self._streaming_argument(session, method, source, metrics)
             return await session.calls.call_streaming(
-                session.driver, method, deadline, stream_arg, payload, metrics, DEADLINE_GRACE,
+                session.driver, method, deadline, stream_arg, arguments, metrics, DEADLINE_GRACE,
                 waiter, on_sent)
         finally:
             session.slots.release()
@@ -243,9 +249,3 @@ cdef class ClientCore:
         if type(message) is not Response:
             raise unexpected_answer(message, method)
         return (<Response>message).decode_value(self._decoder)
-
-    cpdef list _encode_arguments(self, tuple args, dict kwargs):
-        """The frames of a request's value ``[args, kwargs]``."""
-        # A list, not the tuple: msgpack packs a list in C, a tuple through
-        # a Python callback (the server takes either).
-        return self._encode([list(args), kwargs])

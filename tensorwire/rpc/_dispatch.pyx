@@ -25,7 +25,7 @@ from ..serde._encoder cimport Encoder
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore
 from ._slots cimport Slots
-from ._wire cimport Request, encode_response
+from ._wire cimport Request, encode_reply_value
 
 import asyncio
 import logging
@@ -359,8 +359,16 @@ async def run_call(ServerCall call, Method method):
 # --- answers, shared by both paths ------------------------------------------------------
 
 cdef list _response(call_id, Method method, result, Encoder encoder):
-    """The RESPONSE carrying a unary handler's result."""
-    return encode_response(call_id, encode_value(result, method.name, encoder))
+    """The RESPONSE carrying a unary handler's result (its header and the
+    result's written together: ``_wire.encode_reply_value``).
+
+    Raises:
+        Internal: the result cannot be encoded.
+    """
+    try:
+        return encode_reply_value(_RESPONSE, call_id, result, encoder)
+    except _EncodeError as exc:
+        raise _cannot_encode(exc, method.name) from None
 
 
 cdef list _error(str method_name, call_id, exc):
@@ -417,7 +425,12 @@ cpdef list encode_value(object value, str method_name, Encoder encoder):
     try:
         return encoder.encode_frames(value)
     except _EncodeError as exc:
-        raise Internal(f"the result of {method_name} cannot be encoded: {exc}") from None
+        raise _cannot_encode(exc, method_name) from None
+
+
+cdef object _cannot_encode(object error, str method_name):
+    """The ``Internal`` error of a result that did not encode (``error``)."""
+    return Internal(f"the result of {method_name} cannot be encoded: {error}")
 
 
 # --- errors to ERROR messages ----------------------------------------------------------

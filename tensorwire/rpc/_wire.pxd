@@ -1,11 +1,12 @@
 # The parsing of REQUEST, RESPONSE and ITEM and the encoding of a REQUEST and
-# a RESPONSE, for Cython modules that cimport them (every received message is
-# parsed, the client encodes a REQUEST, the server a RESPONSE, on every call:
-# a C call then). Described in _wire.pyx.
+# a RESPONSE or ITEM, for Cython modules that cimport them (every received
+# message is parsed, the client encodes a REQUEST, the server a RESPONSE, on
+# every call: a C call then). Described in _wire.pyx.
 
 from libc.stdint cimport uint64_t
 
 from ..serde._decoder cimport Decoder
+from ..serde._encoder cimport Encoder
 
 
 cdef class ValueMessage:
@@ -39,3 +40,6 @@ cpdef object parse_binary(object frames)
 cpdef list encode_request(uint64_t call_id, str method, object timeout, int stream_arg,
                           list value)
 cpdef list encode_response(uint64_t call_id, list value)
+cdef list encode_request_value(uint64_t call_id, str method, object timeout, int stream_arg,
+                               object value, Encoder encoder)
+cdef list encode_reply_value(int kind, uint64_t call_id, object value, Encoder encoder)

@@ -13,12 +13,14 @@ which stays right on any other.
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.math cimport isfinite, signbit
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from ..serde._decoder cimport Decoder
+from ..serde._encoder cimport Encoder
 
 from ..errors import ProtocolError
 from ._kinds import Kind
@@ -362,6 +364,68 @@ cdef inline list _frames(object first, list value):
     return frames
 
 
+cdef inline void _request_header(uint8_t* prefix, uint64_t call_id, Py_ssize_t name_size,
+                                 object timeout, int stream_arg) except *:
+    prefix[0] = KIND_REQUEST
+    prefix[1] = 0 if timeout is None else HAS_TIMEOUT
+    _put_u16(prefix + 2, <uint16_t>name_size)
+    _put_u32(prefix + 4, <uint32_t>stream_arg)
+    _put_u64(prefix + 8, call_id)
+    _put_f64(prefix + 16, 0.0 if timeout is None else <double>timeout)
+
+
+cdef inline const char* _method_name(str method, Py_ssize_t* size) except NULL:
+    """The UTF-8 of a REQUEST's method name, its length at ``size``.
+
+    Raises:
+        ProtocolError: a method name longer than 65535 bytes.
+    """
+    cdef const char* name = PyUnicode_AsUTF8AndSize(method, size)
+    if size[0] > 0xFFFF:
+        raise ProtocolError(f"method name of {size[0]} bytes exceeds 65535")
+    return name
+
+
+cdef list encode_request_value(uint64_t call_id, str method, object timeout, int stream_arg,
+                               object value, Encoder encoder):
+    """The frames of a REQUEST of ``value`` (not yet encoded: ``encoder``
+    writes its serde header straight after the request's, in one bytes
+    object; the client's hot path).
+
+    Raises:
+        ProtocolError: a method name longer than 65535 bytes.
+        EncodeError: ``value`` cannot be encoded.
+    """
+    cdef Py_ssize_t length
+    cdef const char* name = _method_name(method, &length)
+    cdef uint8_t small[256]
+    cdef uint8_t* head = small
+    if REQUEST_SIZE + length > 256:
+        head = <uint8_t*>PyMem_Malloc(REQUEST_SIZE + length)
+        if head == NULL:
+            raise MemoryError()
+    try:
+        _request_header(head, call_id, length, timeout, stream_arg)
+        memcpy(head + REQUEST_SIZE, name, length)
+        return encoder.encode_frames_after(head, REQUEST_SIZE + length, value)
+    finally:
+        if head != small:
+            PyMem_Free(head)
+
+
+cdef list encode_reply_value(int kind, uint64_t call_id, object value, Encoder encoder):
+    """The frames of a RESPONSE or ITEM (``kind``) of ``value`` (not yet
+    encoded: see ``encode_request_value``; the server's hot path).
+
+    Raises:
+        EncodeError: ``value`` cannot be encoded.
+    """
+    cdef uint8_t prefix[REPLY_SIZE]
+    _put_u64(prefix, <uint64_t>kind)
+    _put_u64(prefix + 8, call_id)
+    return encoder.encode_frames_after(prefix, REPLY_SIZE, value)
+
+
 cpdef list encode_request(uint64_t call_id, str method, object timeout, int stream_arg,
                           list value):
     """The frames of ``Request(call_id, method, timeout, stream_arg, value)``,
@@ -371,16 +435,9 @@ cpdef list encode_request(uint64_t call_id, str method, object timeout, int stre
         ProtocolError: a method name longer than 65535 bytes.
     """
     cdef Py_ssize_t length
-    cdef const char* name = PyUnicode_AsUTF8AndSize(method, &length)
-    if length > 0xFFFF:
-        raise ProtocolError(f"method name of {length} bytes exceeds 65535")
+    cdef const char* name = _method_name(method, &length)
     cdef uint8_t prefix[REQUEST_SIZE]
-    prefix[0] = KIND_REQUEST
-    prefix[1] = 0 if timeout is None else HAS_TIMEOUT
-    _put_u16(prefix + 2, <uint16_t>length)
-    _put_u32(prefix + 4, <uint32_t>stream_arg)
-    _put_u64(prefix + 8, call_id)
-    _put_f64(prefix + 16, 0.0 if timeout is None else <double>timeout)
+    _request_header(prefix, call_id, length, timeout, stream_arg)
     return _frames(_frame0(prefix, REQUEST_SIZE, name, length, value[0]), value)
 
 

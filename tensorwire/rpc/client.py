@@ -81,7 +81,7 @@ class _ClientSession(SessionCore):
         self.error = None
         # The calls in flight (compiled): RESPONSEs resolve their futures
         # there; every other message comes to _on_message.
-        self.calls = CallsInFlight(self.loop, self._on_message)
+        self.calls = CallsInFlight(self.loop, self._on_message, client._encoder)
         self.pending: dict[int, _InFlight] = self.calls.pending
 
     async def open(self) -> None:

@@ -23,9 +23,12 @@ cdef class Encoder:
     cdef uint8_t* _out
     cdef Py_ssize_t _len
     cdef Py_ssize_t _cap
+    # The bytes before the header in the call in progress (encode_frames_after).
+    cdef Py_ssize_t _head
 
     cpdef list encode_frames(self, object obj)
-    cdef bytes _encode(self, object obj, list bufs)
+    cdef list encode_frames_after(self, const uint8_t* head, Py_ssize_t head_size, object obj)
+    cdef bytes _encode(self, object obj, list bufs, const uint8_t* head=*, Py_ssize_t head_size=*)
     cdef bytes _finish(self)
     cdef int _resize(self, Py_ssize_t capacity) except -1
     cdef uint8_t* _room(self, Py_ssize_t n) except NULL

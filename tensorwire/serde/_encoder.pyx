@@ -76,6 +76,8 @@ cdef enum:
     INITIAL_CAPACITY = 1024
     SHRINK_ABOVE = 1 << 20
 
+# The header's prefix as a C constant (the format's PREFIX_SIZE).
+cdef Py_ssize_t _PREFIX_SIZE = PREFIX_SIZE
 cdef object _ndarray = np.ndarray
 cdef object _memmap = np.memmap
 cdef dict _DTYPE_TO_CODE = _dtypes.DTYPE_TO_CODE
@@ -194,21 +196,42 @@ cdef class Encoder:
         Raises:
             EncodeError: as ``encode``.
         """
-        cdef list frames = []  # the buffers, then the header in front: one list
-        frames.insert(0, self._encode(obj, frames))
+        return self.encode_frames_after(NULL, 0, obj)
+
+    cdef list encode_frames_after(self, const uint8_t* head, Py_ssize_t head_size, object obj):
+        """``encode_frames(obj)`` with the ``head_size`` bytes at ``head``
+        before the header, in the same bytes object: an RPC message's own
+        header and its value's as one frame, written once (the limits
+        apply to the value's header alone).
+
+        Raises:
+            EncodeError: as ``encode``.
+        """
+        cdef list bufs = []
+        header = self._encode(obj, bufs, head, head_size)
+        if not bufs:
+            return [header]  # most values: no out-of-band buffers
+        cdef list frames = [header]
+        frames.extend(bufs)
         return frames
 
-    cdef bytes _encode(self, object obj, list bufs):
-        """``obj``'s header; its out-of-band buffers are appended to
-        ``bufs`` (empty)."""
+    cdef bytes _encode(self, object obj, list bufs, const uint8_t* head=NULL,
+                       Py_ssize_t head_size=0):
+        """``obj``'s header, after ``head`` (see ``encode_frames_after``);
+        its out-of-band buffers are appended to ``bufs`` (empty)."""
         if self._busy:
             # Called again from a registered type's encode function: a fresh
             # encoder, since this one's buffer holds the outer header.
             return Encoder(registry=self._registry, inline_threshold=self._threshold,
-                           limits=self._limits)._encode(obj, bufs)
+                           limits=self._limits)._encode(obj, bufs, head, head_size)
         self._busy = True
         self._bufs = bufs
-        self._len = PREFIX_SIZE
+        self._head = head_size
+        if head_size + _PREFIX_SIZE > self._cap:
+            self._resize(head_size + _PREFIX_SIZE + INITIAL_CAPACITY)
+        if head_size:
+            memcpy(self._out, head, head_size)
+        self._len = head_size + _PREFIX_SIZE
         try:
             self._pack(obj, 0)
             return self._finish()
@@ -221,25 +244,26 @@ cdef class Encoder:
         finally:
             self._bufs = None
             self._busy = False
+            self._head = 0
             if self._cap > SHRINK_ABOVE:
                 self._resize(INITIAL_CAPACITY)
 
     cdef bytes _finish(self):
-        """The header written so far, with its prefix."""
-        cdef Py_ssize_t size = self._len
+        """The header written so far, with its prefix (after the head)."""
+        cdef Py_ssize_t size = self._len - self._head
         cdef Py_ssize_t nbufs = len(self._bufs)
         if size > self._max_header:
             raise EncodeError(
                 f"header of {size} bytes exceeds limits.max_header_bytes={self._max_header}")
         if nbufs > self._max_buffers:
             raise EncodeError(f"{nbufs} buffers exceed limits.max_buffers={self._max_buffers}")
-        cdef uint8_t* out = self._out
+        cdef uint8_t* out = self._out + self._head
         memcpy(out, PyBytes_AS_STRING(PREFIX), 4)
         out[4] = <uint8_t>nbufs
         out[5] = <uint8_t>(nbufs >> 8)
         out[6] = <uint8_t>(nbufs >> 16)
         out[7] = <uint8_t>(nbufs >> 24)
-        return PyBytes_FromStringAndSize(<char*>out, size)
+        return PyBytes_FromStringAndSize(<char*>self._out, self._len)
 
     # -- the output buffer -----------------------------------------------------
 
@@ -256,7 +280,7 @@ cdef class Encoder:
         cdef Py_ssize_t need = self._len + n
         cdef Py_ssize_t capacity
         if need > self._cap:
-            if need > self._max_header + EXT_RESERVE:
+            if need - self._head > self._max_header + EXT_RESERVE:
                 # Stop early: the header can no longer fit (_finish says the
                 # same for what ends just over the limit).
                 raise EncodeError(f"header of more than {self._max_header} bytes exceeds "
