@@ -17,7 +17,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.math cimport isfinite, signbit
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 from ..serde._decoder cimport Decoder
 from ..serde._encoder cimport Encoder
@@ -259,6 +259,32 @@ cdef object _parse_reply(int kind, const uint8_t* data, Py_ssize_t size, object 
     return message
 
 
+#: The method name of the last REQUEST parsed: the next one that names the
+#: same method gets this str again instead of a fresh one, so that looking
+#: the method up (the server's table of methods) finds its hash computed and
+#: the key itself, without comparing the text.
+cdef str _last_method = ""
+
+
+cdef str _method_of(const char* name, Py_ssize_t size):
+    """The method name of a REQUEST: the UTF-8 ``name`` of ``size`` bytes.
+
+    Raises:
+        ProtocolError: it is not UTF-8.
+    """
+    global _last_method
+    cdef Py_ssize_t last_size
+    cdef const char* last = PyUnicode_AsUTF8AndSize(_last_method, &last_size)
+    if last_size == size and memcmp(last, name, size) == 0:
+        return _last_method
+    try:
+        method = PyUnicode_DecodeUTF8(name, size, NULL)
+    except UnicodeDecodeError:
+        raise ProtocolError("REQUEST method name is not UTF-8") from None
+    _last_method = method
+    return method
+
+
 cdef object _parse_request(const uint8_t* data, Py_ssize_t size, object frames):
     if size < REQUEST_SIZE:
         raise ProtocolError(f"REQUEST header of {size} bytes is cut short")
@@ -280,11 +306,7 @@ cdef object _parse_request(const uint8_t* data, Py_ssize_t size, object frames):
         raise ProtocolError("REQUEST without a timeout must carry 0.0 there")
     if size <= start:
         raise ProtocolError("REQUEST without its value")
-    try:
-        method = PyUnicode_DecodeUTF8(<const char*>data + REQUEST_SIZE,
-                                      start - REQUEST_SIZE, NULL)
-    except UnicodeDecodeError:
-        raise ProtocolError("REQUEST method name is not UTF-8") from None
+    method = _method_of(<const char*>data + REQUEST_SIZE, start - REQUEST_SIZE)
     if call_id == 0 or call_id >= _CALL_ID_END:
         # 0 is the connection's own (HELLO, PING, ...), never a call's.
         raise ProtocolError(f"bad call id {call_id} for a REQUEST (0 is reserved)")
