@@ -1,5 +1,4 @@
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import LimitExceededError
@@ -34,9 +33,21 @@ class Refused:
     error: LimitExceededError
     def __init__(self, error: LimitExceededError) -> None: ...
 
+_Event = list[Any] | Goodbye | Refused
+
+class Events:
+    def append(self, event: _Event) -> None: ...
+    def popleft(self) -> _Event: ...
+    def clear(self) -> None: ...
+    def __len__(self) -> int: ...
+    def __bool__(self) -> bool: ...
+    def __getitem__(self, index: int) -> _Event: ...
+    def __iter__(self) -> Iterator[_Event]: ...
+
 class FrameReader:
     limits: Limits
-    events: deque[list[Any] | Goodbye | Refused]
+    @property
+    def events(self) -> Events: ...
     skip_oversized: bool
     auto_allocate: bool
     small_as_bytearray: bool

@@ -12,7 +12,7 @@ them to their consumer, a bounded number per call (the fairness budget of
 ``_delivery``).
 """
 
-from collections import deque
+cimport cython
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from libc.stdint cimport uint64_t
@@ -152,10 +152,78 @@ cdef enum State:
     SKIP = 7
 
 
+@cython.final
+cdef class Events:
+    """The reader's events in order, first in, first out: the ``deque``
+    operations a driver uses (``append``, ``popleft``, ``clear``, ``len``,
+    indexing, iteration), and as C calls for the reader's own per-message
+    ``push`` and ``pop``. A list read from a head index, closed up when
+    emptied (or once its consumed front is most of it)."""
+
+    cdef list _items
+    cdef Py_ssize_t _head
+
+    def __cinit__(self):
+        self._items = []
+        self._head = 0
+
+    cdef inline void push(self, event) except *:
+        self._items.append(event)
+
+    cdef object pop(self):
+        """The first event, taken off (there is one: the caller checks)."""
+        cdef list items = self._items
+        cdef Py_ssize_t head = self._head
+        event = items[head]
+        items[head] = None
+        head += 1
+        if head == len(items):
+            del items[:]
+            head = 0
+        elif head >= 64 and 2 * head >= len(items):
+            del items[:head]
+            head = 0
+        self._head = head
+        return event
+
+    cdef inline bint has_message(self):
+        """Whether the first event is a message (a list of frames)."""
+        return self._head < len(self._items) and type(self._items[self._head]) is list
+
+    def append(self, event):
+        self.push(event)
+
+    def popleft(self):
+        if self._head == len(self._items):
+            raise IndexError("pop from empty Events")
+        return self.pop()
+
+    def clear(self):
+        self._items = []
+        self._head = 0
+
+    def __len__(self):
+        return len(self._items) - self._head
+
+    def __bool__(self):
+        return self._head < len(self._items)
+
+    def __getitem__(self, Py_ssize_t index):
+        cdef Py_ssize_t size = len(self._items) - self._head
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError("Events index out of range")
+        return self._items[self._head + index]
+
+    def __iter__(self):
+        return iter(self._items[self._head:])
+
+
 cdef class FrameReader:
     """Parses a byte stream into messages.
 
-    After ``buffer_updated`` the caller looks at ``events`` (a deque of
+    After ``buffer_updated`` the caller looks at ``events`` (``Events``:
     completed messages, each a list of frames, or :class:`Goodbye`) and at
     ``frames_announced``: once a message's table has arrived, the reader waits
     for ``allocate(allocator)``, so the receiver chooses where the frames go.
@@ -168,7 +236,7 @@ cdef class FrameReader:
     """
 
     cdef public object limits
-    cdef public object events
+    cdef readonly Events events
     #: Skip a message beyond the limits (a Refused event) instead of
     #: raising LimitExceededError, where its frame table was read.
     cdef public bint skip_oversized
@@ -214,7 +282,7 @@ cdef class FrameReader:
 
     def __init__(self, limits, *, handshake=True):
         self.limits = limits
-        self.events = deque()
+        self.events = Events()
         self.skip_oversized = False
         self.auto_allocate = False
         self.small_as_bytearray = False
@@ -296,10 +364,10 @@ cdef class FrameReader:
         What ``receiver`` raises propagates, its message counted as passed.
         """
         cdef Py_ssize_t handed = 0
-        events = self.events
-        while handed < budget and not self.paused and events and type(events[0]) is list:
+        cdef Events events = self.events
+        while handed < budget and not self.paused and events.has_message():
             handed += 1
-            receiver(events.popleft())
+            receiver(events.pop())
         return handed
 
     def get_buffer(self):
@@ -358,7 +426,7 @@ cdef class FrameReader:
                     _copy_into(view, 0, staging + start, size)
                     start += size
                 self._start = start
-                self.events.append(frames)
+                self.events.push(frames)
                 self._infos = []
                 self._state = PRELUDE_
                 self._process()
@@ -432,7 +500,7 @@ cdef class FrameReader:
                 copy_host_to_device(self._frames[index], bounce)
                 self.staged_bytes += bounce.nbytes
             self._bounce = {}
-        self.events.append(self._frames)
+        self.events.push(self._frames)
         self._frames, self._views, self._infos = [], [], []
         self._allocator = None
         self._set_target(None)
@@ -494,7 +562,7 @@ cdef class FrameReader:
         after the skipped bytes, which may never come (a peer announcing
         2**40 bytes before its hello is then dropped at once)."""
         error, self._refused = self._refused, None
-        self.events.append(Refused(error))
+        self.events.push(Refused(error))
         if not self._skip_left:
             self._state = PRELUDE_
 
@@ -511,7 +579,7 @@ cdef class FrameReader:
         cdef const unsigned char* word
         cdef Py_ssize_t start = self._start, first = self._start, end = self._end
         cdef uint64_t size
-        events = self.events
+        cdef Events events = self.events
         while end - start >= ONE_FRAME_HEADER_SIZE:
             word = <const unsigned char*>data + start
             size = load_u64le(word + 8)
@@ -521,11 +589,11 @@ cdef class FrameReader:
                 break
             start += ONE_FRAME_HEADER_SIZE
             if self.small_as_bytearray:
-                events.append([PyByteArray_FromStringAndSize(data + start, size)])
+                events.push([PyByteArray_FromStringAndSize(data + start, size)])
             else:
                 frame = host_empty(size)
                 _copy_into(frame, 0, data + start, size)
-                events.append([frame])
+                events.push([frame])
             start += size
         self._start = start
         return start != first
@@ -571,12 +639,12 @@ cdef class FrameReader:
                 self._start += _PRELUDE_SIZE
                 if data[0] == _KIND_GOODBYE:
                     self._state = CLOSED
-                    self.events.append(Goodbye())
+                    self.events.push(Goodbye())
                     return
                 if data[0] != _KIND_DATA:
                     raise ProtocolError(f"unknown message kind {data[0]}")
                 if nframes == 0:
-                    self.events.append([])
+                    self.events.push([])
                     continue
                 check_frame_count(nframes, self.limits)
                 self._announced = nframes
