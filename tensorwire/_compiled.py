@@ -31,6 +31,7 @@ MODULES: tuple[str, ...] = (
     "tensorwire.serde._decoder",
     "tensorwire.serde._encoder",
     "tensorwire.transports._frame_table",
+    "tensorwire.transports._receiver",
     "tensorwire.transports._stream_core",
     "tensorwire.transports._stream_framing",
     "tensorwire.transports._stream_writes",

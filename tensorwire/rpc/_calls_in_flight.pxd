@@ -7,6 +7,7 @@ cimport cython
 from .._counters cimport MethodMetrics
 from ..serde._encoder cimport Encoder
 from ._calls cimport CallState
+from ._driver_core cimport MessageHandler
 
 
 @cython.final
@@ -48,7 +49,7 @@ cdef class UnaryCall:
     cdef bint may_cancel(self)
 
 
-cdef class CallsInFlight:
+cdef class CallsInFlight(MessageHandler):
     cdef readonly dict pending
     cdef Encoder _encoder
     cdef object _loop

@@ -7,7 +7,7 @@ from typing import Any
 from .._counters import MethodMetrics
 from ..serde import Encoder
 from ._calls import CallState
-from ._driver_core import DriverCore
+from ._driver_core import DriverCore, MessageHandler
 from .protocol import Message
 
 LONGEST: float
@@ -25,7 +25,7 @@ class UnaryCall:
     answer: Message | None
     answer_bytes: int
 
-class CallsInFlight:
+class CallsInFlight(MessageHandler):
     pending: dict[int, Any]
     deadlines: list[tuple[float, int]]
     in_order: DeadlineQueue
@@ -39,7 +39,6 @@ class CallsInFlight:
                              grace: float, waiter: Any,
                              on_sent: Callable[[int], asyncio.Task[None]],
                              ) -> tuple[Message, int]: ...
-    def on_message(self, message: Message, nbytes: int) -> None: ...
     def fail(self, call_id: int, error: BaseException) -> bool: ...
     def fail_all(self, error: BaseException) -> None: ...
     def _expire_due(self) -> None: ...

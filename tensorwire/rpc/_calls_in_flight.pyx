@@ -28,7 +28,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 from .._counters cimport MethodMetrics
 from ._calls cimport CallState
-from ._driver_core cimport DriverCore
+from ._driver_core cimport DriverCore, MessageHandler
 from ..serde._encoder cimport Encoder
 from ._wire cimport Response, encode_request_value
 
@@ -178,7 +178,7 @@ cdef class UnaryCall:
 # closing session, maybe during a GC teardown: the GC must not set it to
 # None first (a C call on it would not check), as asyncpg's protocol.
 @cython.no_gc_clear
-cdef class CallsInFlight:
+cdef class CallsInFlight(MessageHandler):
     """The calls in flight on one client connection (see the module)."""
 
     # Its fields are declared in _calls_in_flight.pxd. Deadlines are
@@ -357,9 +357,10 @@ cdef class CallsInFlight:
             (<UnaryCall>waiter).state.send(_CANCEL)
         driver.send_soon(_Cancel(call_id))
 
-    def on_message(self, message, Py_ssize_t nbytes):
-        """A message from the server: one of a unary call goes to its
-        ``UnaryCall``; everything else to ``on_other``."""
+    cdef void take(self, object message, Py_ssize_t nbytes) except *:
+        """A message from the server (a C call from the driver: see
+        ``MessageHandler``): one of a unary call goes to its ``UnaryCall``;
+        everything else to ``on_other``."""
         waiter = self.pending.get(message.call_id)
         if type(waiter) is UnaryCall:
             (<UnaryCall>waiter).deliver(message, nbytes)

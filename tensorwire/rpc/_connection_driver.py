@@ -71,7 +71,9 @@ class ConnectionDriver(DriverCore):
             conn.refuse_oversized(self._refused)
         for error in refused:
             self._refused(error)
-        conn.deliver_to(self._deliver, small_as_bytearray=True)
+        # The driver itself: a MessageReceiver, which the transport calls
+        # by a C call (its receive, which is _deliver).
+        conn.deliver_to(self, small_as_bytearray=True)
         self._tasks.append(self.loop.create_task(self._read_loop()))
         self._tasks.append(self.loop.create_task(self._watchdog()))
 

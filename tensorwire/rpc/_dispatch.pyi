@@ -8,7 +8,7 @@ from .. import serde
 from .._counters import MethodMetrics
 from . import protocol
 from ._calls import CallState
-from ._driver_core import DriverCore
+from ._driver_core import DriverCore, MessageHandler
 from ._streams import CallStreams
 from .service import MethodInfo
 
@@ -31,11 +31,10 @@ class Method:
     def check(self, args: list[Any], kwargs: dict[str, Any]) -> None: ...
 
 @final
-class RequestDispatch:
+class RequestDispatch(MessageHandler):
     def __init__(self, session: Any, on_other: Callable[[protocol.Message, int], None],
                  call_class: type[ServerCall]) -> None: ...
     def attach(self, driver: DriverCore) -> None: ...
-    def on_message(self, message: protocol.Message, nbytes: int) -> None: ...
 
 class ServerCall:
     session: Any

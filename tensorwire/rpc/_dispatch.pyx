@@ -23,7 +23,7 @@ from .._counters cimport MethodMetrics, now, record_call
 from ..serde._decoder cimport Decoder
 from ..serde._encoder cimport Encoder
 from ._calls cimport CallState
-from ._driver_core cimport DriverCore
+from ._driver_core cimport DriverCore, MessageHandler
 from ._slots cimport Slots
 from ._wire cimport Request, encode_reply_value
 
@@ -122,10 +122,11 @@ cdef class Method:
 
 
 @cython.final
-cdef class RequestDispatch:
-    """A server session's messages arrive here: a REQUEST starts its call;
-    every other message goes to the session's ``on_other``. ``attach`` the
-    session's driver before the first message: answers are posted to it."""
+cdef class RequestDispatch(MessageHandler):
+    """A server session's messages arrive here (``take``, a C call from the
+    driver): a REQUEST starts its call; every other message goes to the
+    session's ``on_other``. ``attach`` the session's driver before the
+    first message: answers are posted to it."""
 
     cdef object _session
     cdef object _on_other
@@ -156,7 +157,7 @@ cdef class RequestDispatch:
         """Answers go to ``driver`` (the session's, made after this)."""
         self._driver = driver
 
-    def on_message(self, message, Py_ssize_t nbytes):
+    cdef void take(self, object message, Py_ssize_t nbytes) except *:
         if type(message) is Request:
             self._start(<Request>message, nbytes)
         else:

@@ -1,8 +1,16 @@
 # The layout of DriverCore, for Cython modules that cimport it (the server's
-# dispatch posts every answer: a C call then, not a Python method call).
-# Described in _driver_core.pyx.
+# dispatch posts every answer: a C call then, not a Python method call), and
+# of MessageHandler, which the sessions' message handlers derive from (each
+# message reaches them by a C call). Described in _driver_core.pyx.
 
-cdef class DriverCore:
+from ..transports._receiver cimport MessageReceiver
+
+
+cdef class MessageHandler:
+    cdef void take(self, object message, Py_ssize_t nbytes) except *
+
+
+cdef class DriverCore(MessageReceiver):
     cdef public object conn
     cdef public object loop
     cdef public object error
@@ -11,6 +19,8 @@ cdef class DriverCore:
     # Note each delivered message's time in _last_seen: the transport does
     # not (not conn.stamps_messages; its last_activity covers them else).
     cdef public bint _stamp_messages
+    # The session's handler of each message: a MessageHandler, or any
+    # callable of (message, nbytes).
     cdef public object _on_message
     # Messages not yet handed to the transport, and the future of their
     # senders (made when someone waits for them).

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..errors import TensorwireError, Unavailable
 from ..transports import Connection
+from ..transports._receiver import MessageReceiver
 from .protocol import Message
 
 BATCH: int
@@ -14,7 +15,10 @@ def frames_nbytes(frames: list[Any]) -> int: ...
 def unavailable(error: BaseException) -> Unavailable: ...
 def fail_waiter(waiting: asyncio.Future[None] | None, error: BaseException) -> None: ...
 
-class DriverCore:
+class MessageHandler:
+    def __call__(self, message: Message, nbytes: int) -> None: ...
+
+class DriverCore(MessageReceiver):
     conn: Connection
     loop: asyncio.AbstractEventLoop
     error: TensorwireError | None

@@ -5,8 +5,14 @@ posted in one loop iteration to the transport together, bounded by
 ``max_unsent`` (issue 21). ``ConnectionDriver`` (``_connection_driver.py``)
 adds what is not per message: starting, closing, the read loop and the
 liveness watchdog.
+
+Messages come in and go on by C calls: the transport hands each one to the
+driver (a ``MessageReceiver``, its ``receive``), and the driver to the
+session's handler where that is a ``MessageHandler`` (its ``take``: the
+server's ``RequestDispatch``, the client's ``CallsInFlight``).
 """
 
+from ..transports._receiver cimport MessageReceiver
 from ._wire cimport parse_binary
 
 import asyncio
@@ -68,7 +74,20 @@ cpdef void fail_waiter(object waiting, object error) except *:
         waiting.exception()  # retrieved: its sender may have stopped waiting
 
 
-cdef class DriverCore:
+cdef class MessageHandler:
+    """A session's handler of its connection's messages, which the driver
+    calls by a C call (see the module); a subclass implements ``take``."""
+
+    cdef void take(self, object message, Py_ssize_t nbytes) except *:
+        """Take one parsed message of ``nbytes`` on the wire."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement take()")
+
+    def __call__(self, message, Py_ssize_t nbytes):
+        """``take(message, nbytes)``, for a caller in Python."""
+        self.take(message, nbytes)
+
+
+cdef class DriverCore(MessageReceiver):
     """The outbox and the delivery of one connection (see the module)."""
 
     # Its fields are declared in _driver_core.pxd.
@@ -195,6 +214,10 @@ cdef class DriverCore:
 
     def _deliver(self, list frames):
         """Parse one received message and hand it to the session."""
+        self.receive(frames)
+
+    cdef void receive(self, list frames) except *:
+        """``_deliver``, by a C call from the transport (``MessageReceiver``)."""
         if self.error is not None:
             return
         if self._stamp_messages:
@@ -202,8 +225,13 @@ cdef class DriverCore:
             # watchdog, already moved for this message: no clock read per
             # message.
             self._last_seen = self.loop.time()
+        handler = self._on_message
         try:
-            self._on_message(_parse_message(frames), frames_nbytes(frames))
+            message = _parse_message(frames)
+            if isinstance(handler, MessageHandler):
+                (<MessageHandler>handler).take(message, frames_nbytes(frames))
+            else:
+                handler(message, frames_nbytes(frames))
         except TensorwireError as exc:
             logger.warning("closing connection to %s: %s", self.conn.peer_address, exc)
             self.close_with(exc)

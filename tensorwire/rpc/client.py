@@ -104,7 +104,7 @@ class _ClientSession(SessionCore):
         self.slots = Slots(shake.max_concurrent or 1, self.loop)
         self.driver = ConnectionDriver(
             conn,
-            self.calls.on_message,
+            self.calls,
             self._on_close,
             heartbeat_timeout=config.heartbeat_timeout,
             ping_interval=config.heartbeat_interval,

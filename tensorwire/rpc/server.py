@@ -274,7 +274,7 @@ class _ServerSession:
         # comes to _on_message. Only the driver holds it, and lets go of it
         # when closed (no cycle: issue 21).
         dispatch = RequestDispatch(self, self._on_message, _Call)
-        self.driver = ConnectionDriver(conn, dispatch.on_message, self._on_close,
+        self.driver = ConnectionDriver(conn, dispatch, self._on_close,
                                        heartbeat_timeout=server.config.heartbeat_timeout,
                                        on_refused=self._on_refused,
                                        max_unsent=server.config.transport.max_unsent_bytes)

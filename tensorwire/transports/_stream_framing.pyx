@@ -25,6 +25,7 @@ from ._frame_table import PRELUDE, PRELUDE_SIZE, encode_table
 from ._frames import ALIGNMENT, FrameInfo, default_allocator, host_empty, writable_view
 from ._limit_checks import check_frame_count, check_limits, refused_head
 
+from ._receiver cimport MessageReceiver
 from ._frame_table cimport (
     ONE_DATA_PRELUDE_WORD,
     ONE_FRAME_HEADER_SIZE,
@@ -365,9 +366,15 @@ cdef class FrameReader:
         """
         cdef Py_ssize_t handed = 0
         cdef Events events = self.events
+        # A MessageReceiver takes each message by a C call.
+        cdef MessageReceiver typed = (receiver if isinstance(receiver, MessageReceiver)
+                                      else None)
         while handed < budget and not self.paused and events.has_message():
             handed += 1
-            receiver(events.pop())
+            if typed is not None:
+                typed.receive(events.pop())
+            else:
+                receiver(events.pop())
         return handed
 
     def get_buffer(self):

@@ -12,8 +12,9 @@ here as ordinary methods).
 """
 
 from ..errors import LimitExceededError, TensorwireError, TransportError
-from ._delivery import READ_BUDGET_MESSAGES, call_consumer
+from ._delivery import READ_BUDGET_MESSAGES, call_consumer, consumer_failed
 from ._frames import default_allocator, interface_nbytes, writable_view
+from ._receiver cimport MessageReceiver
 from ._ucx_messages cimport Announced
 from ._ucx_messages import one_inline_frame
 from ._ucx_runtime import translate, ucx_error_name
@@ -260,6 +261,12 @@ cdef class Receiving:
         receiver = self._receiver
         if receiver is None:
             self._queue.deliver(message)
+        elif isinstance(receiver, MessageReceiver):
+            # By a C call (see _receiver).
+            try:
+                (<MessageReceiver>receiver).receive(message)
+            except Exception as exc:
+                self._fail(consumer_failed(exc, "message receiver", self._peer_address))
         else:
             error = call_consumer(receiver, message, "message receiver", self._peer_address)
             if error is not None:
