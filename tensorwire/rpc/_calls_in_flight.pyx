@@ -30,7 +30,7 @@ from .._counters cimport MethodMetrics
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore, MessageHandler
 from ..serde._encoder cimport Encoder
-from ._wire cimport Response, encode_request_value
+from ._wire cimport Response, ValueMessage, encode_request_value
 
 import asyncio
 from heapq import heapify, heappop, heappush
@@ -361,7 +361,9 @@ cdef class CallsInFlight(MessageHandler):
         """A message from the server (a C call from the driver: see
         ``MessageHandler``): one of a unary call goes to its ``UnaryCall``;
         everything else to ``on_other``."""
-        waiter = self.pending.get(message.call_id)
+        # RESPONSE and ITEM (compiled) have their call id in a C field.
+        waiter = self.pending.get((<ValueMessage>message).call_id
+                                  if isinstance(message, ValueMessage) else message.call_id)
         if type(waiter) is UnaryCall:
             (<UnaryCall>waiter).deliver(message, nbytes)
         else:

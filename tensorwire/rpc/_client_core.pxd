@@ -25,7 +25,11 @@ cdef class SessionCore:
 
 
 cdef class ClientCore:
-    cdef public object config
+    # The ClientConfig (the ``config`` property), and what every call reads
+    # of it, as C fields: its timeout and its timeline.
+    cdef object _config
+    cdef double _default_timeout
+    cdef object _timeline
     cdef public SessionCore _session
     # The client's own codec (it runs on one event loop's thread): a call
     # each way less than serde's per-thread functions.

@@ -133,8 +133,20 @@ cdef class SessionCore:
 cdef class ClientCore:
     """The client's state that every call reads, and its per-call helpers."""
 
-    # Its fields are declared in _client_core.pxd: config, _session,
+    # Its fields are declared in _client_core.pxd: _config (with its
+    # _default_timeout and _timeline), _session,
     # _encoder, _decoder, _metrics.
+
+    @property
+    def config(self):
+        """The client's ``ClientConfig``."""
+        return self._config
+
+    @config.setter
+    def config(self, config):
+        self._config = config
+        self._default_timeout = config.timeout
+        self._timeline = config.timeline
 
     async def _call(self, str method, object timeout, bint idempotent, *args, **kwargs):
         """``call``, with its options by position: a typed proxy's method is
@@ -191,7 +203,7 @@ cdef class ClientCore:
         except TimeoutError:
             raise DeadlineExceeded(f"{method} did not finish within its deadline") from None
         finally:
-            record_call(metrics, self.config.timeline, method, "rpc.client", started, error)
+            record_call(metrics, self._timeline, method, "rpc.client", started, error)
 
     async def _call_streaming(self, SessionCore session, str method, double deadline,
                               int stream_arg, list arguments, MethodMetrics metrics, source):
@@ -225,7 +237,7 @@ cdef class ClientCore:
     cdef double _timeout(self, object timeout) except? -1.0:
         """A call's ``timeout`` (None: the configured one), as its request
         can carry it (see ``sendable``)."""
-        cdef double seconds = self.config.timeout if timeout is None else timeout
+        cdef double seconds = self._default_timeout if timeout is None else timeout
         return seconds if 0.0 < seconds < _LONGEST else sendable(seconds)
 
     cdef SessionCore _connected(self):
