@@ -388,6 +388,7 @@ cdef inline list _frames(object first, list value):
 
 cdef inline void _request_header(uint8_t* prefix, uint64_t call_id, Py_ssize_t name_size,
                                  object timeout, int stream_arg) except *:
+    """Write a REQUEST's fixed header (REQUEST_SIZE bytes) at ``prefix``."""
     prefix[0] = KIND_REQUEST
     prefix[1] = 0 if timeout is None else HAS_TIMEOUT
     _put_u16(prefix + 2, <uint16_t>name_size)
