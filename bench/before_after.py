@@ -1,7 +1,8 @@
-"""The compiled core, before and after: small allreduces and PS steps of two trees, alternating.
+"""The compiled core, before and after: RPC calls, allreduces and PS steps of two trees in turn.
 
 Issue 22 asks that the collective and parameter-server benchmarks improve
-with the compiled core and that none regresses. Two runs of
+with the compiled core and that none regresses; the tiny RPC call is what
+the core serves on every call. Two runs of
 bench/collective.py or bench/ps.py made hours apart differ more by this
 shared host's load than by the code, and the earlier results were made on
 another CPU. So this runs the same measurements, with bench/collective.py's
@@ -42,6 +43,9 @@ ALLREDUCES = [(scheme, world, size) for scheme in ("tcp", "ucx") for world in (2
 PS_STEPS = [(scheme, workers, megabytes) for scheme in ("tcp", "ucx")
             for workers, megabytes in ((1, 4), (1, 32), (2, 32))]
 PS_ROUNDS = 9
+#: Tiny RPC calls (bench/rpc.py's echo of the int 7, its quick plan):
+#: (transport, calls in flight, placement of the server and client).
+RPC_CALLS = [("tcp", 1, "os"), ("ucx", 1, "os"), ("tcp", 64, "one")]
 
 
 def measure() -> dict[str, float]:
@@ -51,6 +55,8 @@ def measure() -> dict[str, float]:
     import ps
 
     out: dict[str, float] = {}
+    for scheme, in_flight, where in RPC_CALLS:
+        out[_rpc_name(scheme, in_flight, where)] = _rpc_seconds(scheme, in_flight, where)
     for scheme, world in sorted({(s, w) for s, w, _ in ALLREDUCES}):
         sizes = [size for s, w, size in ALLREDUCES if (s, w) == (scheme, world)]
         seconds = collective.run_variant(f"tensorwire {scheme}://", world, sizes, False)
@@ -62,6 +68,28 @@ def measure() -> dict[str, float]:
         # run_ps reports the mean over workers of bytes / median step time.
         out[_ps_name(scheme, workers, megabytes)] = moved / (row["push_pull"][0] * 1e9)
     return out
+
+
+def _rpc_seconds(scheme: str, in_flight: int, where: str) -> float:
+    """Seconds per tiny call: the p50 with one in flight, else the inverse
+    of the calls per second with ``in_flight`` on the connection."""
+    from _rpc_measure import run_variant
+    from _rpc_variants import VARIANTS, Plan
+
+    variant = next(v for v in VARIANTS if v.name == f"tensorwire RPC {scheme}://")
+    result = run_variant(variant, Plan.quick(), timeout=240,
+                         only="tiny" if in_flight == 1 else "cps64", where=where)
+    if isinstance(result, str) or result["errors"]:
+        why = result if isinstance(result, str) else result["errors"]
+        raise RuntimeError(f"{variant.name}: {why}")
+    return float(result["p50"]) if in_flight == 1 else 1.0 / result["cps64"]
+
+
+def _rpc_name(scheme: str, in_flight: int, where: str) -> str:
+    if in_flight == 1:
+        return f"RPC tiny call {scheme}://, 1 in flight (p50)"
+    return (f"RPC tiny call {scheme}://, {in_flight} in flight, "
+            f"{'both on one CPU' if where == 'one' else where} (time per call)")
 
 
 def _allreduce_name(scheme: str, world: int, size: int) -> str:
@@ -128,6 +156,9 @@ def report(args: argparse.Namespace, trees: dict[str, str], cores: dict[str, str
         f"- Load average (1/5/15 min) before the run {before[0]:.2f}/{before[1]:.2f}/"
         f"{before[2]:.2f}, after {after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f}.",
         f"- {len(rounds)} rounds; each round measures both trees, in alternating order, with "
+        "bench/rpc.py's quick plan (the tiny echo: the p50 of 2,000 calls with one in "
+        "flight, placement left to the OS; calls/s with 64 in flight over 1 s, the server "
+        "and the client pinned to one CPU, as time per call), "
         "the functions of bench/collective.py (float32 sum allreduce in place, the median "
         "of 3 timed batches after a warm-up) and bench/ps.py (push_pull in synchronous "
         f"mode with SGD on the shards, 4 MiB tensors, the median of {PS_ROUNDS} steps after "
