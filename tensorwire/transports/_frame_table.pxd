@@ -34,14 +34,19 @@ cdef inline void store_u64le(unsigned char* p, uint64_t value) noexcept nogil:
         value >>= 8
 
 
-cdef inline bytes one_frame_header(uint64_t nbytes):
-    """The prelude and frame table of a data message of one host frame of
-    ``nbytes``: three little-endian words (``ONE_FRAME_WORDS``)."""
-    cdef bytes header = PyBytes_FromStringAndSize(NULL, ONE_FRAME_HEADER_SIZE)
-    cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(header)
+cdef inline void write_one_frame_header(unsigned char* p, uint64_t nbytes) noexcept nogil:
+    """Write the prelude and frame table of a data message of one host
+    frame of ``nbytes`` at ``p``: three little-endian words
+    (``ONE_FRAME_WORDS``, ONE_FRAME_HEADER_SIZE bytes)."""
     store_u64le(p, ONE_DATA_PRELUDE_WORD)
     store_u64le(p + 8, nbytes)
     store_u64le(p + 16, 0)
+
+
+cdef inline bytes one_frame_header(uint64_t nbytes):
+    """``write_one_frame_header`` into a bytes object of its own."""
+    cdef bytes header = PyBytes_FromStringAndSize(NULL, ONE_FRAME_HEADER_SIZE)
+    write_one_frame_header(<unsigned char*>PyBytes_AS_STRING(header), nbytes)
     return header
 
 

@@ -23,7 +23,7 @@ from libc.string cimport memcpy
 from ._frames import device_nbytes, host_view, is_device_frame
 from ._stream_framing import pack_header
 
-from ._frame_table cimport ONE_DATA_PRELUDE_WORD, ONE_FRAME_HEADER_SIZE, store_u64le
+from ._frame_table cimport ONE_FRAME_HEADER_SIZE, write_one_frame_header
 
 __all__ = ("IOV_MAX", "JOIN_MAX", "outgoing", "outgoing_many", "write_some")
 
@@ -80,9 +80,7 @@ cdef Py_ssize_t _append_joined(list buffers, list batch, Py_ssize_t start,
     for index in range(start, end):
         frame = batch[index][0]
         size = PyBytes_GET_SIZE(frame)
-        store_u64le(p, ONE_DATA_PRELUDE_WORD)
-        store_u64le(p + 8, size)
-        store_u64le(p + 16, 0)
+        write_one_frame_header(p, size)
         memcpy(p + ONE_FRAME_HEADER_SIZE, PyBytes_AS_STRING(frame), size)
         p += ONE_FRAME_HEADER_SIZE + size
     buffers.append(joined)

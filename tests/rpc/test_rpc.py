@@ -213,6 +213,31 @@ async def test_wrong_arguments(url: str) -> None:
         assert await client.call("Store.echo", 3) == 3
 
 
+class _Named(rpc.Service):
+    """Methods whose remote names are long: the client writes a REQUEST's
+    header with its method name into a buffer on the stack up to 232 bytes
+    of name, and into one it allocates beyond."""
+
+    @rpc.method(name="m" * 200)
+    async def short(self, value: Any) -> Any:
+        return value
+
+    @rpc.method(name="n" * 5000)
+    async def long(self, value: Any) -> Any:
+        return ["long", value]
+
+
+async def test_long_method_names_reach_their_methods(url: str) -> None:
+    async with serving(url, _Named()) as server, tw.connect(server.addresses[0]) as client:
+        assert await client.call("_Named." + "m" * 200, [1, 2]) == [1, 2]
+        assert await client.call("_Named." + "n" * 5000, 3) == ["long", 3]
+        # Beyond the REQUEST's 16-bit length field: refused before sending,
+        # and the connection goes on.
+        with pytest.raises(ProtocolError, match="65535"):
+            await client.call("_Named." + "x" * 70_000, 1)
+        assert await client.call("_Named." + "m" * 200, "still") == "still"
+
+
 async def test_server_streaming_with_backpressure(url: str) -> None:
     store = Store()
     config = ClientConfig(stream_window=4)
