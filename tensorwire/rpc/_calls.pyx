@@ -138,10 +138,26 @@ cdef class CallState:
             outside 1..MAX_CREDIT for a side that receives a stream.
     """
 
-    def __cinit__(self, int role, bint arg_streams=False, bint result_streams=False,
+    def __init__(self, int role, bint arg_streams=False, bint result_streams=False,
                   long long window=0):
         if role != _CLIENT and role != _SERVER:
             raise ConfigError(f"a call's role is CLIENT (0) or SERVER (1), not {role}")
+        if (result_streams if role == _CLIENT else arg_streams) and not 0 < window <= MAX_CREDIT:
+            raise ConfigError(f"a stream's window must be 1..{MAX_CREDIT} items, not {window}")
+        self._setup(role, arg_streams, result_streams, window)
+
+    @staticmethod
+    cdef CallState client_unary(bint probing):
+        """A client's unary call without a streamed argument: its result
+        streams as one item when ``probing`` (see ``_calls_in_flight``).
+        Made by C calls (the type's allocator, no arguments to parse); the
+        arguments ``__init__`` checks are valid here."""
+        cdef CallState state = CallState.__new__(CallState)
+        state._setup(_CLIENT, False, probing, 1 if probing else 0)
+        return state
+
+    cdef void _setup(self, int role, bint arg_streams, bint result_streams,
+                     long long window) noexcept:
         self.role = role
         self.arg_streams = arg_streams
         self.result_streams = result_streams
@@ -151,8 +167,6 @@ cdef class CallState:
             self._out_streams, self._in_streams = arg_streams, result_streams
         else:
             self._out_streams, self._in_streams = result_streams, arg_streams
-        if self._in_streams and not 0 < window <= MAX_CREDIT:
-            raise ConfigError(f"a stream's window must be 1..{MAX_CREDIT} items, not {window}")
         self.window = window
 
     @property

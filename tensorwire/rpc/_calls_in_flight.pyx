@@ -151,8 +151,7 @@ cdef class UnaryCall:
         cdef UnaryCall call = UnaryCall.__new__(UnaryCall)
         call.future = future
         # A probing call asks for a stream of one item (see the module).
-        call.state = (CallState.__new__(CallState, _CLIENT, False, True, 1) if probing
-                      else CallState.__new__(CallState, _CLIENT))
+        call.state = CallState.client_unary(probing)
         call.probing = probing
         return call
 
