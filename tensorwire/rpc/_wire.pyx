@@ -55,6 +55,24 @@ cdef double _MAX_TIMEOUT = MAX_TIMEOUT
 cdef uint64_t _CALL_ID_END = 1ULL << 63
 
 
+# --- frames held in plain bytes ------------------------------------------------
+
+cdef inline bint _plain(object raw, const uint8_t** data, Py_ssize_t* size) noexcept:
+    """Point ``data`` and ``size`` at the bytes of ``raw`` if it is a
+    ``bytes`` or ``bytearray`` (what the transports deliver a small frame
+    as, and what the encoders make: no buffer request for it); False for
+    any other type."""
+    if type(raw) is bytearray:
+        data[0] = <const uint8_t*>PyByteArray_AS_STRING(raw)
+        size[0] = PyByteArray_GET_SIZE(raw)
+        return True
+    if type(raw) is bytes:
+        data[0] = <const uint8_t*>PyBytes_AS_STRING(raw)
+        size[0] = PyBytes_GET_SIZE(raw)
+        return True
+    return False
+
+
 # --- the messages -------------------------------------------------------------
 
 cdef class ValueMessage:
@@ -105,15 +123,12 @@ cdef class ValueMessage:
         cdef list received = self._received
         if received is None or len(received) != 1:
             return decoder.decode_frames(self.value)
-        raw = received[0]
+        cdef const uint8_t* data
+        cdef Py_ssize_t size
         # A one-frame message, as the transports deliver a small one: its
         # header is decoded in place.
-        if type(raw) is bytearray:
-            return decoder._decode(<const uint8_t*>PyByteArray_AS_STRING(raw) + self._start,
-                                   PyByteArray_GET_SIZE(raw) - self._start, ())
-        if type(raw) is bytes:
-            return decoder._decode(<const uint8_t*>PyBytes_AS_STRING(raw) + self._start,
-                                   PyBytes_GET_SIZE(raw) - self._start, ())
+        if _plain(received[0], &data, &size):
+            return decoder._decode(data + self._start, size - self._start, ())
         return decoder.decode_frames(self.value)
 
     cdef tuple _fields(self):
@@ -215,12 +230,10 @@ cdef inline object _kind_name(int kind):
 
 cdef object _tail(object raw, Py_ssize_t start):
     """The frame ``raw`` from ``start`` on: the value's serde header."""
-    if type(raw) is bytearray and PyByteArray_GET_SIZE(raw) <= COPY_MAX:
-        return PyBytes_FromStringAndSize(PyByteArray_AS_STRING(raw) + start,
-                                         PyByteArray_GET_SIZE(raw) - start)
-    if type(raw) is bytes and PyBytes_GET_SIZE(raw) <= COPY_MAX:
-        return PyBytes_FromStringAndSize(PyBytes_AS_STRING(raw) + start,
-                                         PyBytes_GET_SIZE(raw) - start)
+    cdef const uint8_t* data
+    cdef Py_ssize_t size
+    if _plain(raw, &data, &size) and size <= COPY_MAX:
+        return PyBytes_FromStringAndSize(<const char*>data + start, size - start)
     view = memoryview(raw)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
@@ -333,14 +346,7 @@ cpdef object parse_binary(object frames):
     cdef Py_ssize_t size
     cdef bint release = False
     cdef int kind
-    if type(raw) is bytearray:
-        # What the transports deliver: no buffer request for it.
-        data = <const uint8_t*>PyByteArray_AS_STRING(raw)
-        size = PyByteArray_GET_SIZE(raw)
-    elif type(raw) is bytes:
-        data = <const uint8_t*>PyBytes_AS_STRING(raw)
-        size = PyBytes_GET_SIZE(raw)
-    else:
+    if not _plain(raw, &data, &size):
         PyObject_GetBuffer(raw, &buffer, PyBUF_SIMPLE)
         data = <const uint8_t*>buffer.buf
         size = buffer.len
