@@ -5,6 +5,7 @@
 cimport cython
 
 from .._counters cimport MethodMetrics
+from ._call_table cimport CallTable
 from ..serde._encoder cimport Encoder
 from ._calls cimport CallState
 from ._driver_core cimport MessageHandler
@@ -25,7 +26,7 @@ cdef class DeadlineQueue:
     cdef double front_when(self) noexcept
     cdef unsigned long long front_id(self) noexcept
     cdef void pop(self) noexcept
-    cdef void keep(self, dict pending) except *
+    cdef void keep(self, CallTable pending) except *
     cdef void clear(self) noexcept
 
 
@@ -34,7 +35,7 @@ cdef class UnaryCall:
     cdef readonly object future
     cdef readonly CallState state
     # The call id: its key in CallsInFlight.pending (see add).
-    cdef readonly object call_id
+    cdef readonly unsigned long long call_id
     # The call's first of its method on the connection: it asked for a
     # stream of one item (see CallsInFlight.start).
     cdef readonly bint probing
@@ -50,7 +51,7 @@ cdef class UnaryCall:
 
 
 cdef class CallsInFlight(MessageHandler):
-    cdef readonly dict pending
+    cdef readonly CallTable pending
     cdef Encoder _encoder
     cdef object _loop
     cdef object _on_other
@@ -62,14 +63,15 @@ cdef class CallsInFlight(MessageHandler):
     cdef object _timer
     cdef set _unary
 
-    cpdef object add(self, object waiter, double expires)
-    cdef object request(self, object driver, str method, double deadline, double now,
-                        int stream_arg, object arguments, object waiter, MethodMetrics metrics,
-                        double grace)
+    cpdef unsigned long long add(self, object waiter, double expires) except 0
+    cdef unsigned long long request(self, object driver, str method, double deadline,
+                                    double now, int stream_arg, object arguments, object waiter,
+                                    MethodMetrics metrics, double grace) except 0
     cdef UnaryCall start(self, object driver, str method, double deadline, double now,
                          object arguments, MethodMetrics metrics, double grace)
     cdef void end(self, object driver, UnaryCall call, str method) except *
-    cdef void _cancel_remote(self, object driver, object call_id, object waiter) except *
+    cdef void _cancel_remote(self, object driver, unsigned long long call_id,
+                             object waiter) except *
     cpdef bint probes(self, str method)
     cdef void _compact(self) except *
     cdef void _arm(self, double when) except *

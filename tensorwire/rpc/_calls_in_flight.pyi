@@ -6,6 +6,7 @@ from typing import Any
 
 from .._counters import MethodMetrics
 from ..serde import Encoder
+from ._call_table import CallTable
 from ._calls import CallState
 from ._driver_core import DriverCore, MessageHandler
 from .protocol import Message
@@ -26,7 +27,7 @@ class UnaryCall:
     answer_bytes: int
 
 class CallsInFlight(MessageHandler):
-    pending: dict[int, Any]
+    pending: CallTable[Any]
     deadlines: list[tuple[float, int]]
     in_order: DeadlineQueue
     def __init__(self, loop: asyncio.AbstractEventLoop,

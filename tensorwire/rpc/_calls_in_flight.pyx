@@ -27,6 +27,7 @@ cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 from .._counters cimport MethodMetrics
+from ._call_table cimport CallTable
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore, MessageHandler
 from ..serde._encoder cimport Encoder
@@ -116,12 +117,12 @@ cdef class DeadlineQueue:
         self._head = (self._head + 1) & (self._capacity - 1)
         self.size -= 1
 
-    cdef void keep(self, dict pending) except *:
+    cdef void keep(self, CallTable pending) except *:
         """Drop the entries whose call id is not in ``pending``."""
         cdef Py_ssize_t i, at, kept = 0, mask = self._capacity - 1
         for i in range(self.size):
             at = (self._head + i) & mask
-            if self._ids[at] in pending:
+            if pending.has(self._ids[at]):
                 self._when[(self._head + kept) & mask] = self._when[at]
                 self._ids[(self._head + kept) & mask] = self._ids[at]
                 kept += 1
@@ -193,7 +194,7 @@ cdef class CallsInFlight(MessageHandler):
     # with RESPONSE.
 
     def __init__(self, loop, on_other, Encoder encoder=None):
-        self.pending = {}
+        self.pending = CallTable()
         # Encodes the REQUESTs' arguments (see ``request``).
         self._encoder = Encoder() if encoder is None else encoder
         self._loop = loop
@@ -204,20 +205,19 @@ cdef class CallsInFlight(MessageHandler):
         self._timer_at = float("inf")
         self._unary = set()
 
-    cpdef object add(self, object waiter, double expires):
+    cpdef unsigned long long add(self, object waiter, double expires) except 0:
         """Register ``waiter`` under a new call id, to fail with TimeoutError
         at ``expires`` (loop time) unless it has ended by then. Returns the
-        call id: the int that is its key in ``pending``, made once per call
-        (its callers look the call up by it, not by a fresh int each time)."""
+        call id."""
         self._last_id += 1
-        call_id = self._last_id
-        pending = self.pending
-        pending[call_id] = waiter
+        cdef unsigned long long call_id = self._last_id
+        cdef CallTable pending = self.pending
+        pending.put(call_id, waiter)
         cdef DeadlineQueue in_order = self.in_order
-        while in_order.size and in_order.front_id() not in pending:
+        while in_order.size and not pending.has(in_order.front_id()):
             in_order.pop()  # its call ended
         if not in_order.size or expires >= in_order.last:
-            in_order.push(expires, self._last_id)
+            in_order.push(expires, call_id)
         else:
             heappush(self.deadlines, (expires, call_id))
         if len(self.deadlines) + in_order.size > self._compact_at:
@@ -226,9 +226,9 @@ cdef class CallsInFlight(MessageHandler):
             self._arm(expires)
         return call_id
 
-    cdef object request(self, object driver, str method, double deadline, double now,
-                        int stream_arg, object arguments, object waiter, MethodMetrics metrics,
-                        double grace):
+    cdef unsigned long long request(self, object driver, str method, double deadline,
+                                    double now, int stream_arg, object arguments, object waiter,
+                                    MethodMetrics metrics, double grace) except 0:
         """Register ``waiter`` and post the call's REQUEST of ``arguments``
         (its value, ``[args, kwargs]``, encoded here: its serde header and
         the request's are written together once the call id is known) with
@@ -249,12 +249,12 @@ cdef class CallsInFlight(MessageHandler):
             raise Unavailable(f"{method}: not connected")
         # The session's ConnectionDriver: posting the request is a C call.
         cdef DriverCore core = driver
-        call_id = self.add(waiter, deadline + grace)
+        cdef unsigned long long call_id = self.add(waiter, deadline + grace)
         try:
             metrics.bytes_out += core.post_frames(encode_request_value(
                 call_id, method, min(remaining, _LONGEST), stream_arg, arguments, self._encoder))
         except BaseException:
-            del self.pending[call_id]
+            self.pending.remove(call_id)
             raise
         return call_id
 
@@ -295,7 +295,7 @@ cdef class CallsInFlight(MessageHandler):
         stops its handler (CANCEL) unless the call is over for it already,
         and a probing call's RESPONSE says that ``method`` is unary."""
         self._cancel_remote(driver, call.call_id, call)
-        self.pending.pop(call.call_id, None)
+        self.pending.remove(call.call_id)
         if call.probing and call.state.outcome == _RESPONDED:
             self._unary.add(method)
 
@@ -313,8 +313,9 @@ cdef class CallsInFlight(MessageHandler):
         Raises:
             as ``start``, and TimeoutError and Unavailable from the wait.
         """
-        call_id = self.request(driver, method, deadline, self._loop.time(), stream_arg,
-                               arguments, waiter, metrics, grace)
+        cdef unsigned long long call_id = self.request(
+            driver, method, deadline, self._loop.time(), stream_arg, arguments, waiter, metrics,
+            grace)
         if waiter.probing:
             waiter.state.send(_CREDIT, 1)
             driver.send_soon(_Credit(call_id, 1))
@@ -326,7 +327,7 @@ cdef class CallsInFlight(MessageHandler):
             self._cancel_remote(driver, call_id, waiter)
             raise
         finally:
-            self.pending.pop(call_id, None)
+            self.pending.remove(call_id)
             if pump is not None:
                 pump.cancel()
                 try:
@@ -345,10 +346,10 @@ cdef class CallsInFlight(MessageHandler):
         (see the module): no call of it here has answered RESPONSE yet."""
         return method not in self._unary
 
-    cdef void _cancel_remote(self, driver, object call_id, waiter) except *:
+    cdef void _cancel_remote(self, driver, unsigned long long call_id, waiter) except *:
         """The caller stopped waiting: the server stops the handler
         (CANCEL), unless the call is over for it already."""
-        if call_id not in self.pending:
+        if not self.pending.has(call_id):
             return
         if type(waiter) is UnaryCall:
             if not (<UnaryCall>waiter).may_cancel():
@@ -361,8 +362,8 @@ cdef class CallsInFlight(MessageHandler):
         ``MessageHandler``): one of a unary call goes to its ``UnaryCall``;
         everything else to ``on_other``."""
         # RESPONSE and ITEM (compiled) have their call id in a C field.
-        waiter = self.pending.get((<ValueMessage>message).call_id
-                                  if isinstance(message, ValueMessage) else message.call_id)
+        waiter = self.pending.find((<ValueMessage>message).call_id
+                                   if isinstance(message, ValueMessage) else message.call_id)
         if type(waiter) is UnaryCall:
             (<UnaryCall>waiter).deliver(message, nbytes)
         else:
@@ -371,7 +372,7 @@ cdef class CallsInFlight(MessageHandler):
     def fail(self, unsigned long long call_id, error):
         """A unary call in flight fails with ``error``; False when
         ``call_id`` is no unary call's."""
-        waiter = self.pending.get(call_id)
+        waiter = self.pending.find(call_id)
         if type(waiter) is not UnaryCall:
             return False
         _fail((<UnaryCall>waiter).future, error)
@@ -379,7 +380,7 @@ cdef class CallsInFlight(MessageHandler):
 
     def fail_all(self, error):
         """The connection is gone: every call fails with ``error``."""
-        for waiter in list(self.pending.values()):
+        for waiter in self.pending.values():  # a list
             if type(waiter) is UnaryCall:
                 _fail((<UnaryCall>waiter).future, error)
             else:
@@ -393,8 +394,8 @@ cdef class CallsInFlight(MessageHandler):
 
     cdef void _compact(self) except *:
         """Drop the deadlines of calls that ended."""
-        pending = self.pending
-        self.deadlines = [entry for entry in self.deadlines if entry[1] in pending]
+        cdef CallTable pending = self.pending
+        self.deadlines = [entry for entry in self.deadlines if pending.has(entry[1])]
         heapify(self.deadlines)
         self.in_order.keep(pending)
         self._compact_at = 2 * (len(self.deadlines) + self.in_order.size) + 64
@@ -412,6 +413,7 @@ cdef class CallsInFlight(MessageHandler):
         heap = self.deadlines
         cdef DeadlineQueue in_order = self.in_order
         cdef double now = self._loop.time()
+        cdef unsigned long long call_id
         while True:
             # The earliest of the two fronts, in (when, call id) order.
             if in_order.size and (not heap or (in_order.front_when(), in_order.front_id())
@@ -424,7 +426,7 @@ cdef class CallsInFlight(MessageHandler):
                 call_id = heappop(heap)[1]
             else:
                 break
-            waiter = self.pending.get(call_id)
+            waiter = self.pending.find(call_id)
             if type(waiter) is UnaryCall:
                 # The deadline passed: end the wait.
                 if (<UnaryCall>waiter).state.expire():

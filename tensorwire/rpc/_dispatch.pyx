@@ -22,6 +22,7 @@ from cpython.sequence cimport PySequence_Fast_ITEMS
 from .._counters cimport MethodMetrics, now, record_call
 from ..serde._decoder cimport Decoder
 from ..serde._encoder cimport Encoder
+from ._call_table cimport CallTable
 from ._calls cimport CallState
 from ._driver_core cimport DriverCore, MessageHandler
 from ._slots cimport Slots
@@ -133,7 +134,7 @@ cdef class RequestDispatch(MessageHandler):
     cdef object _call_class
     # What every call reads, fixed for the session's life: its calls in
     # flight (those in a task), the server's methods, slots and codec.
-    cdef dict _calls
+    cdef CallTable _calls
     cdef dict _methods
     cdef Slots _slots
     cdef Decoder _decoder
@@ -165,10 +166,10 @@ cdef class RequestDispatch(MessageHandler):
 
     cdef void _start(self, Request request, Py_ssize_t nbytes) except *:
         call_id = request.call_id
-        if call_id in self._calls:
+        if self._calls.has(call_id):
             raise ProtocolError(f"call id {call_id} is already in use")
         accepting = self._session._accepting
-        if not accepting or len(self._calls) >= self._limit:
+        if not accepting or self._calls.size >= self._limit:
             error = (
                 Unavailable("the server is shutting down") if not accepting
                 else ResourceExhausted(
@@ -235,7 +236,7 @@ cdef class RequestDispatch(MessageHandler):
                                call.session.server.config.stream_window if arg_streams else 0)
         call.state.receive(_REQUEST)
         task = call.task = call._loop.create_task(run_call(call, method))
-        self._calls[call.call_id] = call
+        self._calls.put(call.call_id, call)
         task.add_done_callback(call.forget)
 
 
@@ -279,9 +280,9 @@ cdef class ServerCall:
 
     def forget(self, _=None):
         """Stop counting this call against the connection's limit."""
-        calls = self.session.calls
-        if calls.get(self.call_id) is self:
-            del calls[self.call_id]
+        cdef CallTable calls = self.session.calls
+        if calls.find(self.call_id) is self:
+            calls.remove(self.call_id)
 
 
 async def run_call(ServerCall call, Method method):

@@ -24,6 +24,7 @@ from ..errors import (
 )
 from ..transports import connect as transport_connect
 from . import protocol
+from ._call_table import CallTable
 from ._calls import CLIENT, CallState
 from ._calls_in_flight import LONGEST, CallsInFlight, UnaryCall, until_drained
 from ._client_core import ClientCore, SessionCore, sendable, split_stream
@@ -82,7 +83,7 @@ class _ClientSession(SessionCore):
         # The calls in flight (compiled): RESPONSEs resolve their futures
         # there; every other message comes to _on_message.
         self.calls = CallsInFlight(self.loop, self._on_message, client._encoder)
-        self.pending: dict[int, _InFlight] = self.calls.pending
+        self.pending: CallTable[_InFlight] = self.calls.pending
 
     async def open(self) -> None:
         config = self.client.config

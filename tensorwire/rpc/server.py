@@ -23,6 +23,7 @@ from ..errors import (
 )
 from ..transports import Connection, Listener, listen
 from . import protocol
+from ._call_table import CallTable
 from ._connection_driver import ConnectionDriver
 from ._dispatch import (
     Method,
@@ -260,7 +261,7 @@ class _ServerSession:
         self._refused_early = refused
         # The calls running in a task of their own (most unary calls are
         # answered at once and never listed: _dispatch).
-        self.calls: dict[int, _Call] = {}
+        self.calls: CallTable[_Call] = CallTable()
         self._accepting = True
         self._done = asyncio.Event()
         # What every call looks up, fixed for the server's life.
