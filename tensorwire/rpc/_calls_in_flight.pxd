@@ -65,10 +65,10 @@ cdef class CallsInFlight(MessageHandler):
 
     cpdef unsigned long long add(self, object waiter, double expires) except 0
     cdef unsigned long long request(self, object driver, str method, double deadline,
-                                    double now, int stream_arg, object arguments, object waiter,
-                                    MethodMetrics metrics, double grace) except 0
+                                    double now, int stream_arg, tuple args, dict kwargs,
+                                    object waiter, MethodMetrics metrics, double grace) except 0
     cdef UnaryCall start(self, object driver, str method, double deadline, double now,
-                         object arguments, MethodMetrics metrics, double grace)
+                         tuple args, dict kwargs, MethodMetrics metrics, double grace)
     cdef void end(self, object driver, UnaryCall call, str method) except *
     cdef void _cancel_remote(self, object driver, unsigned long long call_id,
                              object waiter) except *

@@ -227,11 +227,12 @@ cdef class CallsInFlight(MessageHandler):
         return call_id
 
     cdef unsigned long long request(self, object driver, str method, double deadline,
-                                    double now, int stream_arg, object arguments, object waiter,
-                                    MethodMetrics metrics, double grace) except 0:
-        """Register ``waiter`` and post the call's REQUEST of ``arguments``
-        (its value, ``[args, kwargs]``, encoded here: its serde header and
-        the request's are written together once the call id is known) with
+                                    double now, int stream_arg, tuple args, dict kwargs,
+                                    object waiter, MethodMetrics metrics, double grace) except 0:
+        """Register ``waiter`` and post the call's REQUEST of ``args`` and
+        ``kwargs`` (its value, ``[list(args), kwargs]``, encoded here: its
+        serde header and the request's are written together once the call
+        id is known) with
         the time left until ``deadline`` (loop time; ``now`` is the loop
         time); the waiter fails at ``deadline + grace``. Returns the call id.
 
@@ -252,14 +253,15 @@ cdef class CallsInFlight(MessageHandler):
         cdef unsigned long long call_id = self.add(waiter, deadline + grace)
         try:
             metrics.bytes_out += core.post_frames(encode_request_value(
-                call_id, method, min(remaining, _LONGEST), stream_arg, arguments, self._encoder))
+                call_id, method, min(remaining, _LONGEST), stream_arg, args, kwargs,
+                self._encoder))
         except BaseException:
             self.pending.remove(call_id)
             raise
         return call_id
 
     cdef UnaryCall start(self, object driver, str method, double deadline, double now,
-                         object arguments, MethodMetrics metrics, double grace):
+                         tuple args, dict kwargs, MethodMetrics metrics, double grace):
         """A unary call without a streamed argument, its REQUEST posted (see
         ``request``); the caller holds its slot, awaits its ``future``
         (then the answer is ``call.answer``, of ``call.answer_bytes``) and
@@ -283,8 +285,8 @@ cdef class CallsInFlight(MessageHandler):
         cdef UnaryCall call = UnaryCall.waiting_on(self._loop.create_future(),
                                                    method not in self._unary)
         call.state.send(_REQUEST)
-        call.call_id = self.request(driver, method, deadline, now, -1, arguments, call, metrics,
-                                    grace)
+        call.call_id = self.request(driver, method, deadline, now, -1, args, kwargs, call,
+                                    metrics, grace)
         if call.probing:
             call.state.send(_CREDIT, 1)
             driver.send_soon(_Credit(call.call_id, 1))
@@ -300,8 +302,8 @@ cdef class CallsInFlight(MessageHandler):
             self._unary.add(method)
 
     async def call_streaming(self, driver, str method, double deadline, int stream_arg,
-                             arguments, MethodMetrics metrics, double grace, waiter,
-                             on_sent):
+                             tuple args, dict kwargs, MethodMetrics metrics, double grace,
+                             waiter, on_sent):
         """A unary call with a streamed argument: ``start``, its answer
         awaited and ``end`` for ``waiter`` (its streams), and
         ``on_sent(call_id)``, which starts the task that sends the
@@ -314,8 +316,8 @@ cdef class CallsInFlight(MessageHandler):
             as ``start``, and TimeoutError and Unavailable from the wait.
         """
         cdef unsigned long long call_id = self.request(
-            driver, method, deadline, self._loop.time(), stream_arg, arguments, waiter, metrics,
-            grace)
+            driver, method, deadline, self._loop.time(), stream_arg, args, kwargs, waiter,
+            metrics, grace)
         if waiter.probing:
             waiter.state.send(_CREDIT, 1)
             driver.send_soon(_Credit(call_id, 1))

@@ -10,17 +10,19 @@ from ._slots cimport Slots
 
 
 cdef class SessionCore:
-    cdef public object loop
+    cdef object _loop
+    cdef object _loop_time
     # Its ConnectionDriver (None until connected): read by C calls.
     cdef public DriverCore driver
     cdef public Slots slots
     cdef public CallsInFlight calls
     cdef public object error
 
+    cdef double time(self) except? -1.0
     cdef bint connected(self)
     cpdef bint take_slot(self)
-    cdef UnaryCall start(self, str method, double deadline, double now, list arguments,
-                         MethodMetrics metrics)
+    cdef UnaryCall start(self, str method, double deadline, double now, tuple args,
+                         dict kwargs, MethodMetrics metrics)
     cdef void end(self, UnaryCall call, str method) except *
 
 

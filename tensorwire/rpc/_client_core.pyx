@@ -58,14 +58,22 @@ cpdef double sendable(double timeout) except? -1.0:
     return 0.0 if timeout <= 0.0 else _LONGEST
 
 
-cpdef tuple split_stream(tuple args):
-    """``(args, source, index)``: the async-iterable argument (if any) taken
-    out of ``args``, and where it was; ``(args, None, -1)`` without one."""
+cdef Py_ssize_t stream_index(tuple args) except -2:
+    """Where the async-iterable argument is in ``args``; -1 without one."""
     cdef Py_ssize_t index
     for index, arg in enumerate(args):
         if type(arg) not in _PLAIN and isinstance(arg, _AsyncIterable):
-            return args[:index] + args[index + 1:], arg, index
-    return args, None, -1
+            return index
+    return -1
+
+
+cpdef tuple split_stream(tuple args):
+    """``(args, source, index)``: the async-iterable argument (if any) taken
+    out of ``args``, and where it was; ``(args, None, -1)`` without one."""
+    cdef Py_ssize_t index = stream_index(args)
+    if index < 0:
+        return args, None, -1
+    return args[:index] + args[index + 1:], args[index], index
 
 
 def remote_error(message):
@@ -91,8 +99,22 @@ cdef class SessionCore:
     driver, its call slots and its calls in flight (C fields).
     ``client._ClientSession`` adds opening it and its message handlers."""
 
-    # Its fields are declared in _client_core.pxd: loop, driver, slots,
-    # calls, error.
+    # Its fields are declared in _client_core.pxd: _loop (and its bound
+    # method _loop_time), driver, slots, calls, error.
+
+    @property
+    def loop(self):
+        """The event loop the connection runs on."""
+        return self._loop
+
+    @loop.setter
+    def loop(self, loop):
+        self._loop = loop
+        self._loop_time = loop.time
+
+    cdef double time(self) except? -1.0:
+        """The loop's time (its bound method, kept: no lookup per call)."""
+        return self._loop_time()
 
     @property
     def alive(self):
@@ -108,14 +130,14 @@ cdef class SessionCore:
         return (self.connected() and not self.driver.reading_paused
                 and self.slots.try_acquire())
 
-    cdef UnaryCall start(self, str method, double deadline, double now, list arguments,
-                         MethodMetrics metrics):
-        """A unary call (no streamed argument) of ``arguments`` (``[args,
-        kwargs]``) in flight, its REQUEST posted (``CallsInFlight.start``),
-        in a slot this session gave the caller; the slot goes back if the
-        call cannot start."""
+    cdef UnaryCall start(self, str method, double deadline, double now, tuple args,
+                         dict kwargs, MethodMetrics metrics):
+        """A unary call (no streamed argument) of ``args`` and ``kwargs`` in
+        flight, its REQUEST posted (``CallsInFlight.start``), in a slot this
+        session gave the caller; the slot goes back if the call cannot
+        start."""
         try:
-            return self.calls.start(self.driver, method, deadline, now, arguments, metrics,
+            return self.calls.start(self.driver, method, deadline, now, args, kwargs, metrics,
                                     DEADLINE_GRACE)
         except BaseException:
             self.slots.release()
@@ -154,10 +176,10 @@ cdef class ClientCore:
         own, no keyword dict built for the options on every call). The one
         coroutine from the call to its answer: the call in flight starts
         and ends by C calls (``CallsInFlight.start`` and ``end``)."""
-        args, source, stream_arg = split_stream(args)
-        # Encoded with the REQUEST, once the call has its id; a list, which
-        # the server's unpack_arguments takes as it is (a tuple it copies).
-        cdef list arguments = [list(args), kwargs]
+        cdef Py_ssize_t stream_arg = stream_index(args)
+        source = None
+        if stream_arg >= 0:
+            args, source, stream_arg = split_stream(args)
         cdef MethodMetrics metrics = self._metrics[method]
         cdef bint retry = idempotent and source is None  # once, after losing the connection
         cdef double started = perf_now()
@@ -171,19 +193,20 @@ cdef class ClientCore:
                 session = self._connected()
                 if session is None:
                     # Arguments that cannot be encoded fail the call now,
-                    # not once connected.
-                    self._encode(arguments)
+                    # not once connected (once connected, they are encoded
+                    # with the REQUEST, when the call has its id).
+                    self._encode([list(args), kwargs])
                     session = await self._ready_by(deadline, method)
-                    now = session.loop.time()  # it waited
+                    now = session.time()  # it waited
                 try:
                     if not session.take_slot():
                         await session.wait_for_slot(deadline, method)
-                        now = session.loop.time()  # it waited
+                        now = session.time()  # it waited
                     if source is not None:
                         message, nbytes = await self._call_streaming(
-                            session, method, deadline, stream_arg, arguments, metrics, source)
+                            session, method, deadline, stream_arg, args, kwargs, metrics, source)
                     else:
-                        call = session.start(method, deadline, now, arguments, metrics)
+                        call = session.start(method, deadline, now, args, kwargs, metrics)
                         try:
                             await call.future
                         finally:
@@ -206,7 +229,8 @@ cdef class ClientCore:
             record_call(metrics, self._timeline, method, "rpc.client", started, error)
 
     async def _call_streaming(self, SessionCore session, str method, double deadline,
-                              int stream_arg, list arguments, MethodMetrics metrics, source):
+                              int stream_arg, tuple args, dict kwargs, MethodMetrics metrics,
+                              source):
         """``_call``'s unary call with a streamed argument (``source``), in
         a slot the session gave it, to the answer ``(message, nbytes)``;
         the slot goes back. Rarer than a plain call: a coroutine of its
@@ -214,7 +238,7 @@ cdef class ClientCore:
         try:
             waiter, on_sent = self._streaming_argument(session, method, source, metrics)
             return await session.calls.call_streaming(
-                session.driver, method, deadline, stream_arg, arguments, metrics, DEADLINE_GRACE,
+                session.driver, method, deadline, stream_arg, args, kwargs, metrics, DEADLINE_GRACE,
                 waiter, on_sent)
         finally:
             session.slots.release()
@@ -231,8 +255,8 @@ cdef class ClientCore:
         """The loop time: the session's loop's when connected, since
         get_running_loop() asks the OS for the pid on every call on Python
         3.11."""
-        session = self._session
-        return (session.loop if session is not None else _get_running_loop()).time()
+        cdef SessionCore session = self._session
+        return session.time() if session is not None else _get_running_loop().time()
 
     cdef double _timeout(self, object timeout) except? -1.0:
         """A call's ``timeout`` (None: the configured one), as its request

@@ -41,5 +41,5 @@ cpdef list encode_request(uint64_t call_id, str method, object timeout, int stre
                           list value)
 cpdef list encode_response(uint64_t call_id, list value)
 cdef list encode_request_value(uint64_t call_id, str method, object timeout, int stream_arg,
-                               object value, Encoder encoder)
+                               tuple args, dict kwargs, Encoder encoder)
 cdef list encode_reply_value(int kind, uint64_t call_id, object value, Encoder encoder)

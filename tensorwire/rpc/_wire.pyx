@@ -416,14 +416,15 @@ cdef inline const char* _method_name(str method, Py_ssize_t* size) except NULL:
 
 
 cdef list encode_request_value(uint64_t call_id, str method, object timeout, int stream_arg,
-                               object value, Encoder encoder):
-    """The frames of a REQUEST of ``value`` (not yet encoded: ``encoder``
-    writes its serde header straight after the request's, in one bytes
-    object; the client's hot path).
+                               tuple args, dict kwargs, Encoder encoder):
+    """The frames of a REQUEST of the arguments ``args`` and ``kwargs``
+    (its value ``[list(args), kwargs]``, not yet encoded: ``encoder`` writes
+    its serde header straight after the request's, in one bytes object; the
+    client's hot path).
 
     Raises:
         ProtocolError: a method name longer than 65535 bytes.
-        EncodeError: ``value`` cannot be encoded.
+        EncodeError: the arguments cannot be encoded.
     """
     cdef Py_ssize_t length
     cdef const char* name = _method_name(method, &length)
@@ -436,7 +437,7 @@ cdef list encode_request_value(uint64_t call_id, str method, object timeout, int
     try:
         _request_header(head, call_id, length, timeout, stream_arg)
         memcpy(head + REQUEST_SIZE, name, length)
-        return encoder.encode_frames_after(head, REQUEST_SIZE + length, value)
+        return encoder.encode_arguments_after(head, REQUEST_SIZE + length, args, kwargs)
     finally:
         if head != small:
             PyMem_Free(head)

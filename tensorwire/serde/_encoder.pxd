@@ -28,7 +28,11 @@ cdef class Encoder:
 
     cpdef list encode_frames(self, object obj)
     cdef list encode_frames_after(self, const uint8_t* head, Py_ssize_t head_size, object obj)
-    cdef bytes _encode(self, object obj, list bufs, const uint8_t* head=*, Py_ssize_t head_size=*)
+    cdef list encode_arguments_after(self, const uint8_t* head, Py_ssize_t head_size,
+                                     tuple args, dict kwargs)
+    cdef list _frames(self, object obj, dict kwargs, const uint8_t* head, Py_ssize_t head_size)
+    cdef bytes _encode(self, object obj, list bufs, const uint8_t* head=*, Py_ssize_t head_size=*,
+                       dict kwargs=*)
     cdef bytes _finish(self)
     cdef int _resize(self, Py_ssize_t capacity) except -1
     cdef uint8_t* _room(self, Py_ssize_t n) except NULL
@@ -50,6 +54,7 @@ cdef class Encoder:
     cdef int _pack(self, object obj, Py_ssize_t depth) except -1
     cdef int _check_depth(self, Py_ssize_t depth) except -1
     cdef int _pack_items(self, object items, Py_ssize_t depth) except -1
+    cdef int _pack_arguments(self, tuple args, dict kwargs) except -1
     cdef int _pack_tuple(self, tuple tup, Py_ssize_t depth) except -1
     cdef int _pack_dict(self, dict d, Py_ssize_t depth) except -1
     cdef int _pack_bytes(self, bytes b) except -1

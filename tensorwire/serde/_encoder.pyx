@@ -198,6 +198,16 @@ cdef class Encoder:
         """
         return self.encode_frames_after(NULL, 0, obj)
 
+    def encode_arguments(self, tuple args not None, dict kwargs not None) -> list:
+        """``encode_frames([list(args), kwargs])``, a call's arguments as the
+        RPC sends them, without making the two lists (the RPC core writes
+        them after its request header: ``encode_arguments_after``).
+
+        Raises:
+            EncodeError: as ``encode``.
+        """
+        return self._frames(args, kwargs, NULL, 0)
+
     cdef list encode_frames_after(self, const uint8_t* head, Py_ssize_t head_size, object obj):
         """``encode_frames(obj)`` with the ``head_size`` bytes at ``head``
         before the header, in the same bytes object: an RPC message's own
@@ -207,8 +217,25 @@ cdef class Encoder:
         Raises:
             EncodeError: as ``encode``.
         """
+        return self._frames(obj, None, head, head_size)
+
+    cdef list encode_arguments_after(self, const uint8_t* head, Py_ssize_t head_size,
+                                     tuple args, dict kwargs):
+        """``encode_frames_after`` of the value ``[list(args), kwargs]``
+        (a call's arguments, as the RPC sends them), without making the two
+        lists: the same bytes and errors.
+
+        Raises:
+            EncodeError: as ``encode``.
+        """
+        return self._frames(args, kwargs, head, head_size)
+
+    cdef list _frames(self, object obj, dict kwargs, const uint8_t* head,
+                      Py_ssize_t head_size):
+        """The frames of ``obj`` (of ``[list(obj), kwargs]`` with
+        ``kwargs``) after ``head``."""
         cdef list bufs = []
-        header = self._encode(obj, bufs, head, head_size)
+        header = self._encode(obj, bufs, head, head_size, kwargs)
         if not bufs:
             return [header]  # most values: no out-of-band buffers
         cdef list frames = [header]
@@ -216,14 +243,16 @@ cdef class Encoder:
         return frames
 
     cdef bytes _encode(self, object obj, list bufs, const uint8_t* head=NULL,
-                       Py_ssize_t head_size=0):
+                       Py_ssize_t head_size=0, dict kwargs=None):
         """``obj``'s header, after ``head`` (see ``encode_frames_after``);
-        its out-of-band buffers are appended to ``bufs`` (empty)."""
+        its out-of-band buffers are appended to ``bufs`` (empty). With
+        ``kwargs``, the value is ``[list(obj), kwargs]`` (see
+        ``encode_arguments_after``)."""
         if self._busy:
             # Called again from a registered type's encode function: a fresh
             # encoder, since this one's buffer holds the outer header.
             return Encoder(registry=self._registry, inline_threshold=self._threshold,
-                           limits=self._limits)._encode(obj, bufs, head, head_size)
+                           limits=self._limits)._encode(obj, bufs, head, head_size, kwargs)
         self._busy = True
         self._bufs = bufs
         self._head = head_size
@@ -233,7 +262,10 @@ cdef class Encoder:
             memcpy(self._out, head, head_size)
         self._len = head_size + _PREFIX_SIZE
         try:
-            self._pack(obj, 0)
+            if kwargs is None:
+                self._pack(obj, 0)
+            else:
+                self._pack_arguments(obj, kwargs)
             return self._finish()
         except EncodeError:
             raise
@@ -491,13 +523,28 @@ cdef class Encoder:
         self._check_depth(depth)
         self._put_length(len(items), 0x90, 16, 0, 0xDC, 0xDD)
         cdef Py_ssize_t i = 0
-        for item in items:
-            try:
+        try:
+            for item in items:
                 self._pack(item, depth + 1)
-            except UnsupportedValueError as exc:
-                exc.path.append(f"[{i}]")
-                raise
-            i += 1
+                i += 1
+        except UnsupportedValueError as exc:
+            exc.path.append(f"[{i}]")
+            raise
+        return 0
+
+    cdef int _pack_arguments(self, tuple args, dict kwargs) except -1:
+        """``[list(args), kwargs]``, as ``_pack`` writes it: an array of
+        two, the positional arguments as an array, the keywords as a map."""
+        self._check_depth(0)
+        self._room(1)[0] = 0x92
+        cdef Py_ssize_t i = 0
+        try:
+            self._pack_items(args, 1)
+            i = 1
+            self._pack_dict(kwargs, 1)
+        except UnsupportedValueError as exc:
+            exc.path.append(f"[{i}]")
+            raise
         return 0
 
     cdef int _pack_tuple(self, tuple tup, Py_ssize_t depth) except -1:

@@ -358,6 +358,54 @@ def test_encode_nested_raises_what_encode_raises(value: Any, match: str) -> None
         enc.encode_nested(value)
 
 
+_ARGUMENTS: list[tuple[tuple[Any, ...], dict[Any, Any]]] = [
+    ((7,), {}),
+    ((), {}),
+    (("key", 1.5, None, True), {"flag": False}),
+    ((np.arange(1000.0),), {"b": b"x" * 5000}),  # buffers out of band
+    ((((((((1,),),),),),),), {}),
+    ((2**70, [1, (2,)]), {"c": (1 + 1j,), (1, 2): "tuple key"}),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs"), _ARGUMENTS, ids=repr)
+def test_encode_arguments_makes_what_encode_frames_makes(args: tuple[Any, ...],
+                                                         kwargs: dict[Any, Any]) -> None:
+    """A call's arguments, ``[list(args), kwargs]``, written without the two
+    lists: the same frames."""
+    enc = serde.Encoder()
+    frames = enc.encode_arguments(args, kwargs)
+    expected = enc.encode_frames([list(args), kwargs])
+    assert frames[0] == expected[0]
+    assert [bytes(memoryview(b)) for b in frames[1:]] == [
+        bytes(memoryview(b)) for b in expected[1:]]
+    assert repr(serde.decode(frames[0], frames[1:])) == repr([list(args), kwargs])
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "limits", "match"),
+    [
+        ((1, object()), {}, serde.Limits(), r"builtins.object: .* at value\[0\]\[1\]$"),
+        ((1,), {"k": [object()]}, serde.Limits(),
+         r"builtins.object: .* at value\[1\]\['k'\]\[0\]$"),
+        ((1,), {object(): 1}, serde.Limits(), r"dict key type builtins.object at value\[1\]"),
+        (("x" * 200,), {}, serde.Limits(max_header_bytes=100), "max_header_bytes=100"),
+        (([[1]],), {}, serde.Limits(max_depth=3), "max_depth=3"),
+        ((), {"k": [[1]]}, serde.Limits(max_depth=3), "max_depth=3"),
+    ],
+)
+def test_encode_arguments_raises_what_encode_frames_raises(
+        args: tuple[Any, ...], kwargs: dict[Any, Any], limits: serde.Limits, match: str) -> None:
+    enc = serde.Encoder(limits=limits)
+    with pytest.raises(EncodeError, match=match) as expected:
+        enc.encode_frames([list(args), kwargs])
+    with pytest.raises(EncodeError, match=match) as raised:
+        enc.encode_arguments(args, kwargs)
+    assert str(raised.value) == str(expected.value)
+    # The encoder is whole after the error.
+    assert enc.encode_arguments((7,), {}) == enc.encode_frames([[7], {}])
+
+
 @pytest.mark.parametrize(
     "value", [0, 7, -1, 2**63, 2**64 - 1, -(2**63), 2**64, -(2**63) - 1, 2**70, 1.5,
               float("inf"), True, False, None],
