@@ -23,8 +23,6 @@ cdef class CallState:
     cdef bint _window_open
     cdef bint _last_sent
 
-    @staticmethod
-    cdef CallState client_unary(bint probing)
     cdef void _setup(self, int role, bint arg_streams, bint result_streams,
                      long long window) noexcept
     cpdef send(self, int kind, long long count=*)

@@ -1,6 +1,6 @@
 """Stub of the compiled tensorwire.rpc._calls (see _calls.pyx for the rules)."""
 
-from typing import Final, final
+from typing import Final
 
 CLIENT: Final[int]
 SERVER: Final[int]
@@ -12,7 +12,6 @@ CANCELLED: Final[int]
 EXPIRED: Final[int]
 MAX_CREDIT: Final[int]
 
-@final
 class CallState:
     @property
     def role(self) -> int: ...

@@ -129,7 +129,8 @@ cdef object _remote(CallState state, int kind, str why):
         f"the {_ROLES[1 - state.role]} may not send {_kind_name(kind)}: {why}")
 
 
-@cython.final
+# Not final: the client's UnaryCall (_calls_in_flight) derives from it, so
+# that a plain unary call in flight is one object.
 cdef class CallState:
     """One call's state, on either side (see the module docstring).
 
@@ -145,16 +146,6 @@ cdef class CallState:
         if (result_streams if role == _CLIENT else arg_streams) and not 0 < window <= MAX_CREDIT:
             raise ConfigError(f"a stream's window must be 1..{MAX_CREDIT} items, not {window}")
         self._setup(role, arg_streams, result_streams, window)
-
-    @staticmethod
-    cdef CallState client_unary(bint probing):
-        """A client's unary call without a streamed argument: its result
-        streams as one item when ``probing`` (see ``_calls_in_flight``).
-        Made by C calls (the type's allocator, no arguments to parse); the
-        arguments ``__init__`` checks are valid here."""
-        cdef CallState state = CallState.__new__(CallState)
-        state._setup(_CLIENT, False, probing, 1 if probing else 0)
-        return state
 
     cdef void _setup(self, int role, bint arg_streams, bint result_streams,
                      long long window) noexcept:

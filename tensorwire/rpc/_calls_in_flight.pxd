@@ -31,9 +31,8 @@ cdef class DeadlineQueue:
 
 
 @cython.final
-cdef class UnaryCall:
+cdef class UnaryCall(CallState):
     cdef readonly object future
-    cdef readonly CallState state
     # The call id: its key in CallsInFlight.pending (see add).
     cdef readonly unsigned long long call_id
     # The call's first of its method on the connection: it asked for a

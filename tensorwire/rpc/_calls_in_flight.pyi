@@ -18,9 +18,8 @@ class DeadlineQueue:
     last: float
     def __len__(self) -> int: ...
 
-class UnaryCall:
+class UnaryCall(CallState):
     future: asyncio.Future[None]
-    state: CallState
     call_id: int
     probing: bool
     answer: Message | None

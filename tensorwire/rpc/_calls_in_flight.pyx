@@ -3,11 +3,11 @@
 waits for the answer, the REQUEST that starts a call, the RESPONSE that
 resolves it, and the calls' deadlines on one loop timer.
 
-A plain unary call is a ``UnaryCall`` here: its future, resolved (with
-None) once its answer and the answer's size are kept on it (``answer``,
-``answer_bytes``: no tuple per call), and its ``CallState`` (``_calls``), which every
-message of the call goes through. The client's ``_call`` starts one
-(``CallsInFlight.start``), awaits its future and ends it
+A plain unary call is a ``UnaryCall`` here: a ``CallState`` (``_calls``),
+which every message of the call goes through, with its future, resolved
+(with None) once its answer and the answer's size are kept on it
+(``answer``, ``answer_bytes``: no tuple per call). The client's ``_call``
+starts one (``CallsInFlight.start``), awaits its future and ends it
 (``CallsInFlight.end``): C calls, no coroutine of their own. Any other
 waiter (a stream's record, see ``_streams.CallStreams``) has a ``future``
 and a ``fail(error)`` and gets its messages from the session's
@@ -139,11 +139,13 @@ cdef inline void _fail(object future, object error) except *:
 
 
 @cython.final
-cdef class UnaryCall:
-    """A plain unary call in flight: its future and its state."""
+cdef class UnaryCall(CallState):
+    """A plain unary call in flight: its state (a client's ``CallState``,
+    which every message of the call goes through) and its future, one
+    object."""
 
-    # Its fields are declared in _calls_in_flight.pxd: future, state,
-    # call_id, probing.
+    # Its fields are declared in _calls_in_flight.pxd: future, call_id,
+    # probing, answer, answer_bytes.
 
     @staticmethod
     cdef UnaryCall waiting_on(object future, bint probing):
@@ -151,8 +153,9 @@ cdef class UnaryCall:
         type's allocator, no ``__init__`` to parse arguments for)."""
         cdef UnaryCall call = UnaryCall.__new__(UnaryCall)
         call.future = future
-        # A probing call asks for a stream of one item (see the module).
-        call.state = CallState.client_unary(probing)
+        # A probing call asks for a stream of one item (see the module);
+        # the arguments CallState.__init__ checks are valid here.
+        call._setup(_CLIENT, False, probing, 1 if probing else 0)
         call.probing = probing
         return call
 
@@ -163,7 +166,7 @@ cdef class UnaryCall:
         wait ends with the stream's first ITEM or END too: its caller
         reports the mismatch."""
         cdef int kind = _RESPONSE if type(message) is Response else message.kind
-        if self.state.receive(kind) and not self.future.done():
+        if self.receive(kind) and not self.future.done():
             self.answer = message
             self.answer_bytes = nbytes
             self.future.set_result(None)
@@ -171,7 +174,7 @@ cdef class UnaryCall:
     cdef bint may_cancel(self):
         """Whether the server is to hear of this call's end (CANCEL): not
         after its answer, once after its deadline."""
-        return not self.state.ended() or self.state.outcome == _EXPIRED
+        return not self.ended() or self.outcome == _EXPIRED
 
 
 # Its typed field in_order is used by fail_all(), which runs from a
@@ -284,11 +287,11 @@ cdef class CallsInFlight(MessageHandler):
         """
         cdef UnaryCall call = UnaryCall.waiting_on(self._loop.create_future(),
                                                    method not in self._unary)
-        call.state.send(_REQUEST)
+        call.send(_REQUEST)
         call.call_id = self.request(driver, method, deadline, now, -1, args, kwargs, call,
                                     metrics, grace)
         if call.probing:
-            call.state.send(_CREDIT, 1)
+            call.send(_CREDIT, 1)
             driver.send_soon(_Credit(call.call_id, 1))
         return call
 
@@ -298,7 +301,7 @@ cdef class CallsInFlight(MessageHandler):
         and a probing call's RESPONSE says that ``method`` is unary."""
         self._cancel_remote(driver, call.call_id, call)
         self.pending.remove(call.call_id)
-        if call.probing and call.state.outcome == _RESPONDED:
+        if call.probing and call.outcome == _RESPONDED:
             self._unary.add(method)
 
     async def call_streaming(self, driver, str method, double deadline, int stream_arg,
@@ -356,7 +359,7 @@ cdef class CallsInFlight(MessageHandler):
         if type(waiter) is UnaryCall:
             if not (<UnaryCall>waiter).may_cancel():
                 return
-            (<UnaryCall>waiter).state.send(_CANCEL)
+            (<UnaryCall>waiter).send(_CANCEL)
         driver.send_soon(_Cancel(call_id))
 
     cdef void take(self, object message, Py_ssize_t nbytes) except *:
@@ -364,8 +367,12 @@ cdef class CallsInFlight(MessageHandler):
         ``MessageHandler``): one of a unary call goes to its ``UnaryCall``;
         everything else to ``on_other``."""
         # RESPONSE and ITEM (compiled) have their call id in a C field.
-        waiter = self.pending.find((<ValueMessage>message).call_id
-                                   if isinstance(message, ValueMessage) else message.call_id)
+        cdef unsigned long long call_id
+        if isinstance(message, ValueMessage):
+            call_id = (<ValueMessage>message).call_id
+        else:
+            call_id = message.call_id
+        waiter = self.pending.find(call_id)
         if type(waiter) is UnaryCall:
             (<UnaryCall>waiter).deliver(message, nbytes)
         else:
@@ -431,7 +438,7 @@ cdef class CallsInFlight(MessageHandler):
             waiter = self.pending.find(call_id)
             if type(waiter) is UnaryCall:
                 # The deadline passed: end the wait.
-                if (<UnaryCall>waiter).state.expire():
+                if (<UnaryCall>waiter).expire():
                     _fail((<UnaryCall>waiter).future, TimeoutError())
             elif waiter is not None:
                 _fail(waiter.future, TimeoutError())

@@ -32,6 +32,7 @@ class Method:
 
 @final
 class RequestDispatch(MessageHandler):
+    accepting: bool
     def __init__(self, session: Any, on_other: Callable[[protocol.Message, int], None],
                  call_class: type[ServerCall]) -> None: ...
     def attach(self, driver: DriverCore) -> None: ...

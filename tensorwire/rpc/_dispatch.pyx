@@ -18,6 +18,7 @@ cimport cython
 from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyContext_Exit
 from cpython.ref cimport PyObject, Py_XDECREF
 from cpython.sequence cimport PySequence_Fast_ITEMS
+from libc.stdint cimport uint64_t
 
 from .._counters cimport MethodMetrics, now, record_call
 from ..serde._decoder cimport Decoder
@@ -142,6 +143,10 @@ cdef class RequestDispatch(MessageHandler):
     cdef object _timeline
     cdef Py_ssize_t _limit
     cdef DriverCore _driver
+    # False once the server is shutting down: new calls are refused.
+    cdef public bint accepting
+    # The session holds a weak reference (it stops new calls by it).
+    cdef object __weakref__
 
     def __init__(self, session, on_other, call_class):
         self._session = session
@@ -153,6 +158,7 @@ cdef class RequestDispatch(MessageHandler):
         self._decoder, self._encoder = session._decoder, session._encoder
         self._timeline = session._timeline
         self._limit = session._limit
+        self.accepting = True
 
     def attach(self, DriverCore driver not None):
         """Answers go to ``driver`` (the session's, made after this)."""
@@ -165,13 +171,12 @@ cdef class RequestDispatch(MessageHandler):
             self._on_other(message, nbytes)
 
     cdef void _start(self, Request request, Py_ssize_t nbytes) except *:
-        call_id = request.call_id
+        cdef uint64_t call_id = request.call_id
         if self._calls.has(call_id):
             raise ProtocolError(f"call id {call_id} is already in use")
-        accepting = self._session._accepting
-        if not accepting or self._calls.size >= self._limit:
+        if not self.accepting or self._calls.size >= self._limit:
             error = (
-                Unavailable("the server is shutting down") if not accepting
+                Unavailable("the server is shutting down") if not self.accepting
                 else ResourceExhausted(
                     f"more than {self._limit} calls in flight on one connection")
             )
@@ -183,7 +188,7 @@ cdef class RequestDispatch(MessageHandler):
             return
         self._start_call(self._call_class(self._session, request, nbytes), method)
 
-    cdef bint _run_at_once(self, Request request, call_id, Py_ssize_t nbytes,
+    cdef bint _run_at_once(self, Request request, uint64_t call_id, Py_ssize_t nbytes,
                            Method method) except -1:
         """Run a call of an ``at_once`` method to its end, now: its handler's
         coroutine one step (``PyIter_Send``, which ends it), in a copy of
@@ -360,7 +365,7 @@ async def run_call(ServerCall call, Method method):
 
 # --- answers, shared by both paths ------------------------------------------------------
 
-cdef list _response(call_id, Method method, result, Encoder encoder):
+cdef list _response(uint64_t call_id, Method method, result, Encoder encoder):
     """The RESPONSE carrying a unary handler's result (its header and the
     result's written together: ``_wire.encode_reply_value``).
 

@@ -10,7 +10,8 @@ from ..serde._encoder cimport Encoder
 
 
 cdef class ValueMessage:
-    cdef public object call_id
+    # A C field: every message of a call is looked up by it.
+    cdef public uint64_t call_id
     # The value's frames (``value``), made on first use for a parsed
     # message, which keeps the frames it came in (_received) and where
     # its value's serde header starts in the first (_start) instead.

@@ -65,7 +65,7 @@ def _fields(config: ClientConfig) -> dict[str, Any]:
 
 
 #: What ``_ClientSession.pending`` holds for a call: a plain unary call's
-#: ``UnaryCall`` (compiled, with its CallState), else the ``CallStreams`` of
+#: ``UnaryCall`` (compiled, a CallState with a future), else the ``CallStreams`` of
 #: a call with a stream (a streamed result, a streamed argument, or both).
 _InFlight: TypeAlias = "UnaryCall | CallStreams"
 

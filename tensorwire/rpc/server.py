@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -262,7 +263,6 @@ class _ServerSession:
         # The calls running in a task of their own (most unary calls are
         # answered at once and never listed: _dispatch).
         self.calls: CallTable[_Call] = CallTable()
-        self._accepting = True
         self._done = asyncio.Event()
         # What every call looks up, fixed for the server's life.
         self._limit = server.config.max_concurrent_per_connection
@@ -273,8 +273,10 @@ class _ServerSession:
         self._slots = slots
         # REQUESTs start their calls in RequestDispatch (compiled); the rest
         # comes to _on_message. Only the driver holds it, and lets go of it
-        # when closed (no cycle: issue 21).
+        # when closed (no cycle: issue 21); the session keeps a weak
+        # reference, to stop new calls.
         dispatch = RequestDispatch(self, self._on_message, _Call)
+        self._dispatch = weakref.ref(dispatch)
         self.driver = ConnectionDriver(conn, dispatch, self._on_close,
                                        heartbeat_timeout=server.config.heartbeat_timeout,
                                        on_refused=self._on_refused,
@@ -293,7 +295,9 @@ class _ServerSession:
             await self.driver.close()
 
     def stop_new_calls(self) -> None:
-        self._accepting = False
+        dispatch = self._dispatch()
+        if dispatch is not None:  # else the connection is closed
+            dispatch.accepting = False
 
     def call_tasks(self) -> list[asyncio.Task[None]]:
         # Only calls that run in a task of their own are kept (_dispatch).
