@@ -17,6 +17,7 @@ cdef class CallTable:
 
     cdef void _allocate(self, Py_ssize_t capacity) except *
     cdef Py_ssize_t _home(self, uint64_t call_id) noexcept
+    cdef Py_ssize_t _probe(self, uint64_t call_id) noexcept
     cdef Py_ssize_t _slot(self, uint64_t call_id) noexcept
     cdef object find(self, uint64_t call_id)
     cdef bint has(self, uint64_t call_id) noexcept

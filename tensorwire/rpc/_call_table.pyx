@@ -66,18 +66,19 @@ cdef class CallTable:
         """The slot where ``call_id``'s search starts."""
         return <Py_ssize_t>(((call_id ^ self._salt) * _FIBONACCI) >> self._shift)
 
-    cdef Py_ssize_t _slot(self, uint64_t call_id) noexcept:
-        """The slot holding ``call_id``, or -1."""
+    cdef Py_ssize_t _probe(self, uint64_t call_id) noexcept:
+        """The slot holding ``call_id`` (not 0), or else the free slot that
+        ends its search (where it would go)."""
         cdef Py_ssize_t mask = self._capacity - 1
         cdef Py_ssize_t at = self._home(call_id)
-        cdef uint64_t key
-        while True:
-            key = self._keys[at]
-            if key == call_id:
-                return at
-            if key == 0:
-                return -1
+        while self._keys[at] != call_id and self._keys[at] != 0:
             at = (at + 1) & mask
+        return at
+
+    cdef Py_ssize_t _slot(self, uint64_t call_id) noexcept:
+        """The slot holding ``call_id`` (not 0), or -1."""
+        cdef Py_ssize_t at = self._probe(call_id)
+        return at if self._keys[at] == call_id else -1
 
     cdef object find(self, uint64_t call_id):
         """What waits for ``call_id``, or None."""
@@ -95,17 +96,10 @@ cdef class CallTable:
         """
         if call_id == 0:
             raise ValueError("call id 0 is no call's")
-        cdef Py_ssize_t mask = self._capacity - 1
-        cdef Py_ssize_t at = self._home(call_id)
-        cdef uint64_t key
-        while True:
-            key = self._keys[at]
-            if key == call_id:
-                self._values[at] = waiter
-                return
-            if key == 0:
-                break
-            at = (at + 1) & mask
+        cdef Py_ssize_t at = self._probe(call_id)
+        if self._keys[at] == call_id:
+            self._values[at] = waiter
+            return
         self._keys[at] = call_id
         self._values[at] = waiter
         self.size += 1
