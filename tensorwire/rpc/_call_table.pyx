@@ -48,13 +48,15 @@ cdef class CallTable:
         PyMem_Free(self._keys)
 
     cdef void _allocate(self, Py_ssize_t capacity) except *:
-        """Fresh, empty slots: ``capacity`` of them (a power of two)."""
+        """Fresh, empty slots: ``capacity`` of them (a power of two); the
+        table is unchanged if they cannot be had."""
+        cdef list values = [None] * capacity
         cdef uint64_t *keys = <uint64_t *>PyMem_Calloc(capacity, sizeof(uint64_t))
         if keys == NULL:
             raise MemoryError()
         PyMem_Free(self._keys)
         self._keys = keys
-        self._values = [None] * capacity
+        self._values = values
         self._capacity = capacity
         self._shift = 64
         while capacity > 1:
