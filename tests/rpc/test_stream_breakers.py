@@ -177,6 +177,30 @@ async def test_a_stream_breaker_is_dropped(name: str) -> None:
         await server.close(grace=0)
 
 
+async def test_a_call_id_in_use_is_refused_and_one_that_ended_can_come_again() -> None:
+    """A REQUEST whose call id is a running call's breaks the protocol:
+    the connection is dropped, the second handler never runs, and another
+    client goes on. An id whose call has ended may be used again."""
+    recorder = Recorder()
+    server = tw.Server([recorder])
+    (address,) = await server.start("tcp://127.0.0.1:0")
+    try:
+        async with tw.connect(address) as good:
+            raw = await Raw.connect(address)
+            raw.writer.write(_request(5, "Recorder.unary", [1]))
+            assert (await raw.until(protocol.Response)).call_id == 5
+            raw.writer.write(_request(5, "Recorder.unary", [2]))  # it ended: fine
+            assert (await raw.until(protocol.Response)).call_id == 5
+            raw.writer.write(_request(2**62, "Recorder.slow", [5.0]))
+            raw.writer.write(_request(2**62, "Recorder.collect", [], 0))
+            assert await raw.dropped()
+            raw.close()
+            assert recorder.seen == []  # collect never ran
+            assert await good.call("Recorder.unary", 7) == 7
+    finally:
+        await server.close(grace=0)
+
+
 async def test_a_credit_for_a_unary_result_is_ignored() -> None:
     server = tw.Server([Recorder()])
     (address,) = await server.start("tcp://127.0.0.1:0")
