@@ -20,6 +20,7 @@ __all__ = ("MODULES", "require", "status")
 MODULES: tuple[str, ...] = (
     "tensorwire._counters",
     "tensorwire._eager",
+    "tensorwire.rpc._call_table",
     "tensorwire.rpc._calls",
     "tensorwire.rpc._calls_in_flight",
     "tensorwire.rpc._client_core",
@@ -32,6 +33,7 @@ MODULES: tuple[str, ...] = (
     "tensorwire.serde._encoder",
     "tensorwire.transports._frame_table",
     "tensorwire.transports._receiver",
+    "tensorwire.transports._spin_gate",
     "tensorwire.transports._stream_core",
     "tensorwire.transports._stream_framing",
     "tensorwire.transports._stream_writes",

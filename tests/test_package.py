@@ -174,6 +174,17 @@ def test_the_wheel_holds_the_compiled_core_the_demo_license_and_extras(tmp_path:
     assert requires and all("extra ==" in line for line in requires)
 
 
+def test_the_compiled_core_list_names_every_cython_module() -> None:
+    """``_compiled.MODULES`` (what ``require()`` checks and ``tensorwire
+    info`` reports) is exactly the tree's .pyx modules, each with its stub."""
+    from tensorwire import _compiled
+
+    sources = sorted(ROOT.joinpath("tensorwire").rglob("*.pyx"))
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in sources}
+    assert names == set(_compiled.MODULES)
+    assert all(p.with_suffix(".pyi").exists() for p in sources)
+
+
 def test_torch_integration_without_torch_says_what_is_missing() -> None:
     # A None entry in sys.modules makes `import torch` fail as if it were absent.
     probe = ("import sys; sys.modules['torch'] = None\n"

@@ -6,6 +6,7 @@ from typing import Any
 from ..errors import TensorwireError
 from ._delivery import RecvQueue
 from ._frames import Allocator
+from ._spin_gate import SpinGate
 from ._stream_framing import FrameReader
 
 __all__ = ("LIVENESS_QUANTUM", "READ_AHEAD_MESSAGES", "StreamCore")
@@ -34,6 +35,10 @@ class StreamCore:
     _tail: asyncio.Task[None] | None
     _sock: socket.socket | None
     _fd: int
+    _spin_gate: SpinGate | None
+    _spinning: bool
+    _spin_wanted: bool
+    spin_polls: int
     messages_sent: int
     messages_received: int
     bytes_sent: int
@@ -42,6 +47,7 @@ class StreamCore:
     @property
     def closed(self) -> bool: ...
     def _on_readable(self) -> None: ...
+    def _poll(self) -> None: ...
     def _after_read(self) -> bool: ...
     def _note_progress(self, nbytes: int) -> None: ...
     def _go_on(self) -> None: ...

@@ -21,6 +21,8 @@ per write on each side of every call.
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.errno cimport EAGAIN, EINTR, errno
 
+from ._spin_gate cimport SpinGate
+
 import os
 
 from .._eager import start_eagerly
@@ -88,6 +90,16 @@ cdef class StreamCore:
     # once the connection closed.
     cdef public object _sock
     cdef public int _fd
+    # Plain tcp:// with TransportConfig.tcp_spin (else None): after data
+    # arrives, the loop keeps polling the socket for more while the gate's
+    # window is open, instead of sleeping (see _keep_polling); and whether
+    # a poll is scheduled.
+    cdef public SpinGate _spin_gate
+    cdef public bint _spinning
+    # Whether the last read looked like a ping-pong (see _on_readable).
+    cdef public bint _spin_wanted
+    # How many polls the spin windows took (for tests and benches).
+    cdef public Py_ssize_t spin_polls
     # The counters of Connection.stats().
     cdef public Py_ssize_t messages_sent
     cdef public Py_ssize_t messages_received
@@ -106,10 +118,27 @@ cdef class StreamCore:
     # -- receiving -------------------------------------------------------------
 
     def _on_readable(self):
-        """The socket is readable: read it (``recv`` straight into the
-        reader's buffer), parse, and hand out what is complete, until the
-        socket is drained, this turn's share is done, or the consumer
-        stops us (the ``add_reader`` callback of plain tcp://)."""
+        """The socket is readable (the ``add_reader`` callback of plain
+        tcp://): read it, and then poll it for more while a spin window is
+        open (see ``_keep_polling``)."""
+        if self._spin_gate is None:
+            self._read_socket()
+            return
+        cdef Py_ssize_t before = self.messages_received
+        try:
+            self._read_socket()
+        finally:
+            self._spin_gate.completed()
+            # One message (or part of one) a read: a ping-pong, which a
+            # wake-up would slow down. A batch: the loop has its work.
+            self._spin_wanted = self.messages_received - before <= 1
+            if self._spin_wanted:
+                self._keep_polling()
+
+    cdef void _read_socket(self) except *:
+        """Read the socket (``recv`` straight into the reader's buffer),
+        parse, and hand out what is complete, until the socket is drained,
+        this turn's share is done, or the consumer stops us."""
         cdef Py_ssize_t left = _READ_BUDGET_BYTES, size
         cdef ssize_t n
         cdef int error
@@ -155,6 +184,26 @@ cdef class StreamCore:
                 if not self._after_read():
                     self._pause_reading()
                 return
+
+    cdef void _keep_polling(self) except *:
+        """Data arrived: poll for the next while the spin gate's window is
+        open (one poll scheduled at a time). In a ping-pong the answer
+        usually comes within it, and on this side of a wake-up it costs a
+        turn of the loop instead of the kernel's (and a virtual machine
+        host's) wake-up of a sleeping process."""
+        if not self._spinning:
+            self._spinning = True
+            self._loop.call_soon(self._poll)
+
+    def _poll(self):
+        """One poll: the loop goes round once more without sleeping (a
+        callback is ready), and its readiness check calls _on_readable if
+        the socket is readable; another poll while the window is open."""
+        self._spinning = False
+        self.spin_polls += 1
+        if (self._spin_wanted and self._sock is not None and not self._reader.paused
+                and self._spin_gate.spinning()):
+            self._keep_polling()
 
     cpdef bint _after_read(self) except -1:
         """Hand out what the reader produced; False: stop reading for now."""

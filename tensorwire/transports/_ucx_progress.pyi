@@ -1,22 +1,9 @@
 from collections.abc import Callable
 from typing import Any
 
+from ._spin_gate import SpinGate
+
 PROGRESS_ROUNDS: int
-SPIN_SKIP_FIRST: int
-SPIN_SKIP_MAX: int
-
-class SpinGate:
-    """Whether to keep polling a worker with requests in flight, or sleep."""
-
-    @property
-    def window(self) -> float: ...
-    @property
-    def clock(self) -> Callable[[], float]: ...
-    @property
-    def failed(self) -> int: ...
-    def __init__(self, window: float, clock: Callable[[], float] = ...) -> None: ...
-    def completed(self) -> None: ...
-    def spinning(self) -> bool: ...
 
 class Progress:
     """The progress loop of one worker on one event loop."""

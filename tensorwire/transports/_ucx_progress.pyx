@@ -1,6 +1,6 @@
 """Driving a UCX worker from the event loop, compiled: progress, find the
 completed requests, call their callbacks, then poll on a while
-(:class:`SpinGate`) or arm the worker and sleep on its descriptor. This
+(``_spin_gate.SpinGate``) or arm the worker and sleep on its descriptor. This
 runs several times per message, and once per poll while a window is open,
 so its cost is the granularity at which an answer is seen (issue 22).
 
@@ -8,77 +8,16 @@ How and why the runtime progresses this way is told in _ucx_runtime.py's
 docstring; this module holds the loop itself.
 """
 
+from ._spin_gate cimport SpinGate
+
 import logging
-import time
 
 logger = logging.getLogger("tensorwire.transports._ucx_runtime")
 
 #: A progress pass that ends with the worker still busy (``arm`` refused) is
 #: followed by up to this many more before we yield to the loop.
 PROGRESS_ROUNDS = 16
-#: After a spin window passed with no answer, skip spinning after this many
-#: completions, doubling (up to SPIN_SKIP_MAX) while windows keep failing.
-SPIN_SKIP_FIRST = 2
-SPIN_SKIP_MAX = 64
 cdef int _PROGRESS_ROUNDS = PROGRESS_ROUNDS
-cdef int _SPIN_SKIP_FIRST = SPIN_SKIP_FIRST
-cdef int _SPIN_SKIP_MAX = SPIN_SKIP_MAX
-
-
-cdef class SpinGate:
-    """Whether to keep polling a worker with requests in flight, or sleep.
-
-    :meth:`completed` opens a window of ``window`` seconds (by ``clock``);
-    :meth:`spinning` says whether it is still open. A window that closes
-    with no completion in it is a failed spin: the answer did not come
-    while we polled, most likely because the peer shares our CPU and could
-    not run. Then the next windows stay shut: after a failure the gate
-    skips ``SPIN_SKIP_FIRST`` completions before it tries again, twice as
-    many after each further failure (at most ``SPIN_SKIP_MAX``), and a
-    window that gets its answer resets that. So a pair that shares a CPU
-    pays one failed window every ``SPIN_SKIP_MAX`` calls, not one per call.
-    """
-
-    cdef readonly double window
-    cdef readonly object clock
-    #: How many windows closed without an answer (for tests and benches).
-    cdef readonly Py_ssize_t failed
-    cdef double _opened
-    cdef bint _open
-    cdef int _skip  # completions to let pass before the next window
-    cdef int _skipping  # the length of the current skip run
-
-    def __init__(self, double window, clock=time.perf_counter):
-        self.window = window
-        self.clock = clock
-        self.failed = 0
-        self._opened = 0.0
-        self._open = False
-        self._skip = 0
-        self._skipping = 0
-
-    cpdef completed(self):
-        """A request completed: the answer came; open a window from now."""
-        if self._open:
-            self._skipping = 0  # it came within the window: spinning pays
-        if self._skip:
-            self._skip -= 1
-            self._open = False
-            return
-        self._open = self.window > 0
-        self._opened = self.clock()
-
-    cpdef bint spinning(self):
-        """True while the window is open: poll again rather than sleep."""
-        if not self._open:
-            return False
-        if self.clock() - self._opened < self.window:
-            return True
-        self._open = False
-        self.failed += 1
-        self._skipping = min(max(2 * self._skipping, _SPIN_SKIP_FIRST), _SPIN_SKIP_MAX)
-        self._skip = self._skipping
-        return False
 
 
 cdef class _Entry:

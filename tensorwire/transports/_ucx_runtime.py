@@ -57,7 +57,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, TransportError, UnsupportedTransportError
-from ._ucx_progress import PROGRESS_ROUNDS, Progress, SpinGate
+from ._spin_gate import SpinGate
+from ._ucx_progress import PROGRESS_ROUNDS, Progress
 from .config import UCXOptions
 
 __all__ = ("Runtime", "SpinGate", "acquire", "active_runtime", "applied_environment")

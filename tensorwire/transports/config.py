@@ -130,6 +130,12 @@ class TransportConfig:
         max_pending_connections: the most accepted connections that have
             not yet finished the handshake (a slow-loris peer holds one until
             ``handshake_timeout``); one beyond it is closed at once too.
+        tcp_spin: plain tcp:// (not TLS): seconds the event loop keeps
+            polling a connection after data arrived, before it may sleep
+            (in a ping-pong the answer usually comes within it, and a poll
+            costs far less than a wake-up). A window that passes with no
+            data shuts the next ones for a while, as ``UCXOptions.spin``'s
+            do; 0 never spins.
     """
 
     limits: Limits = Limits()
@@ -146,6 +152,7 @@ class TransportConfig:
     max_unsent_bytes: int = 64 * MiB
     max_connections: int = 4096
     max_pending_connections: int = 256
+    tcp_spin: float = 200e-6
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "handshake_timeout", "close_timeout"):
@@ -156,6 +163,9 @@ class TransportConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"TransportConfig.{name} must be a positive int or None")
+        if not isinstance(self.tcp_spin, int | float) or not 0 <= self.tcp_spin <= 1:
+            raise ConfigError(f"TransportConfig.tcp_spin must be 0 to 1 seconds, "
+                              f"got {self.tcp_spin!r}")
         if self.inproc_queue < 1:
             raise ConfigError("TransportConfig.inproc_queue must be at least 1")
         for name in ("max_unsent_bytes", "max_connections", "max_pending_connections"):

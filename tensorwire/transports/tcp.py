@@ -31,6 +31,7 @@ from ._base import Connection, ConnectionHandler, Listener, serve_connection
 from ._delivery import READ_BUDGET_MESSAGES
 from ._frames import Allocator
 from ._registry import Backend, format_host_port, parse_host_port
+from ._spin_gate import SpinGate
 from ._stream_connection import StreamConnection
 from ._stream_framing import HANDSHAKE
 from ._stream_writes import write_some
@@ -91,6 +92,7 @@ class SocketConnection(StreamConnection):
         # Read and written by the compiled core (StreamCore).
         self._sock = sock
         self._fd = sock.fileno()
+        self._spin_gate = SpinGate(config.tcp_spin) if config.tcp_spin > 0 else None
         self._reading = False
         self._writable: asyncio.Future[None] | None = None
 

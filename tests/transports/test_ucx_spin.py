@@ -17,12 +17,8 @@ from pathlib import Path
 import pytest
 
 from tensorwire.transports import connect
-from tensorwire.transports._ucx_progress import (
-    SPIN_SKIP_FIRST,
-    SPIN_SKIP_MAX,
-    Progress,
-    SpinGate,
-)
+from tensorwire.transports._spin_gate import SPIN_SKIP_FIRST, SPIN_SKIP_MAX, SpinGate
+from tensorwire.transports._ucx_progress import Progress
 from tensorwire.transports._ucx_runtime import active_runtime
 
 from ._ucx_echo_process import ucx_echo_process

@@ -1,0 +1,19 @@
+"""Stub of the compiled ``_spin_gate`` module (see _spin_gate.pyx)."""
+
+from collections.abc import Callable
+
+SPIN_SKIP_FIRST: int
+SPIN_SKIP_MAX: int
+
+class SpinGate:
+    """Whether to keep polling for an answer, or sleep."""
+
+    @property
+    def window(self) -> float: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def failed(self) -> int: ...
+    def __init__(self, window: float, clock: Callable[[], float] = ...) -> None: ...
+    def completed(self) -> None: ...
+    def spinning(self) -> bool: ...
