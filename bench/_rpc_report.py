@@ -18,6 +18,7 @@ from _rpc_variants import (
     FLOOR,
     PAIRED,
     SOCKET,
+    TCP_SPIN_VARIABLE,
     TINY,
     UCXX,
     VARIANTS,
@@ -155,6 +156,11 @@ def huge_pages() -> str:
     else:
         how = "off (`never`)"
     return f"{how}; /sys/kernel/mm/transparent_hugepage/enabled reads `{setting}`"
+
+
+def _tcp_spin() -> float:
+    """The ``TransportConfig.tcp_spin`` this run's tcp:// variants used."""
+    return float(os.environ.get(TCP_SPIN_VARIABLE, 0.0))
 
 
 def _revision() -> str:
@@ -412,7 +418,8 @@ def write_results(path: Path, plan: Plan, rows: dict[str, dict[str, Any] | str],
            "other work on this shared 2-core host adds noise, most to the large echoes.",
            "- tensorwire variants and the bare echoes run uvloop in both processes; grpc.aio "
            "and raw ucxx run asyncio's default loop. ucx:// uses `UCXOptions()`, and raw "
-           "ucxx the same UCX settings (`UCX_RNDV_SCHEME=put_zcopy`).",
+           "ucxx the same UCX settings (`UCX_RNDV_SCHEME=put_zcopy`); tcp:// uses "
+           f"`TransportConfig(tcp_spin={_tcp_spin()})`.",
            "- Each variant: one server process, one client process, one connection.",
            _placement_note(pin), ""]
     placements = ("one", "two") if not pin else ("one",)

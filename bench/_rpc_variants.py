@@ -106,12 +106,17 @@ FLOOR_RECORD = struct.Struct("<QQ")
 # --- shared pieces -----------------------------------------------------------
 
 
+#: Set by ``bench/rpc.py --tcp-spin`` for every process it starts:
+#: ``TransportConfig.tcp_spin`` for tensorwire over tcp://.
+TCP_SPIN_VARIABLE = "TENSORWIRE_BENCH_TCP_SPIN"
+
+
 def _transport_config(url: str) -> Any:
     from tensorwire.transports import TransportConfig, UCXOptions
 
     if url.startswith("ucx://"):
         return TransportConfig(ucx=UCXOptions())  # UCX's default settings on this host
-    return TransportConfig()
+    return TransportConfig(tcp_spin=float(os.environ.get(TCP_SPIN_VARIABLE, 0.0)))
 
 
 def _run_loop(kind: str, main: Callable[[], Awaitable[Any]]) -> Any:

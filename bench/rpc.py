@@ -60,12 +60,14 @@ _rpc_measure.py (processes, measuring, busy neighbours), _rpc_report.py
 ``--pin`` puts every server and client on two fixed, different CPUs (see
 ``placement``); by default the OS places them, except for the calls/s with
 64 in flight, which run again in pinned pairs of their own (see
-``write_results``).
+``write_results``). ``--tcp-spin SECONDS`` runs tensorwire's tcp:// with
+``TransportConfig(tcp_spin=SECONDS)`` (default 0, as the library's).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -80,6 +82,7 @@ from _rpc_variants import (
     PAIRED,
     PINNED_CPS64,
     RESULTS,
+    TCP_SPIN_VARIABLE,
     VARIANTS,
     Plan,
 )
@@ -119,6 +122,8 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true",
                         help="also measure the tiny-call latency of the RPC and the ceilings "
                              "beside one busy-looping process per CPU")
+    parser.add_argument("--tcp-spin", type=float, default=0.0, metavar="SECONDS",
+                        help="TransportConfig.tcp_spin for tensorwire over tcp:// (default 0)")
     parser.add_argument("--only", metavar="TEXT", action="append", default=[],
                         help="run only the variants whose name contains TEXT (repeatable; "
                              "for development)")
@@ -134,6 +139,8 @@ def main() -> None:
                         help="with --profile: 'none' runs the case unprofiled, for an outside "
                              "sampler (py-spy record --subprocesses -- python bench/rpc.py ...)")
     args = parser.parse_args()
+    # Read by every process started from here (bench/_rpc_variants.py).
+    os.environ[TCP_SPIN_VARIABLE] = repr(args.tcp_spin)
     if args.count_calls:
         import uvloop
 

@@ -131,11 +131,13 @@ class TransportConfig:
             not yet finished the handshake (a slow-loris peer holds one until
             ``handshake_timeout``); one beyond it is closed at once too.
         tcp_spin: plain tcp:// (not TLS): seconds the event loop keeps
-            polling a connection after data arrived, before it may sleep
-            (in a ping-pong the answer usually comes within it, and a poll
-            costs far less than a wake-up). A window that passes with no
-            data shuts the next ones for a while, as ``UCXOptions.spin``'s
-            do; 0 never spins.
+            polling a connection after a read of at most one message,
+            before it may sleep (in a ping-pong the answer usually comes
+            within it, and a poll costs far less than a wake-up). A window
+            that passes with no data shuts the next ones for a while, as
+            ``UCXOptions.spin``'s do. 0 (the default) never spins: the
+            polling takes a core that other busy processes on the host may
+            need (see docs/transports.md, "tcp://").
     """
 
     limits: Limits = Limits()
@@ -152,7 +154,7 @@ class TransportConfig:
     max_unsent_bytes: int = 64 * MiB
     max_connections: int = 4096
     max_pending_connections: int = 256
-    tcp_spin: float = 200e-6
+    tcp_spin: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "handshake_timeout", "close_timeout"):

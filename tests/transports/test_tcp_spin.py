@@ -1,15 +1,17 @@
 """tcp://'s spin window (``TransportConfig.tcp_spin``, ``_spin_gate.SpinGate``):
-after a read that looks like a ping-pong (at most one message), a plain
-tcp:// connection keeps its event loop polling for the next message while
-the window is open, instead of letting the process sleep; not after a
-batch, not once the peer is quiet, never with ``tcp_spin=0`` or over TLS.
-What it buys is latency between processes (bench/rpc.py); here, on real
-sockets in one process, what it does and when it stops."""
+with it set, after a read that looks like a ping-pong (at most one
+message), a plain tcp:// connection keeps its event loop polling for the
+next message while the window is open, instead of letting the process
+sleep; not after a batch, not once the peer is quiet, never over TLS, and
+not by default (``tcp_spin=0``). What it buys is latency between processes
+(bench/rpc.py --tcp-spin); here, on real sockets in one process, what it
+does and when it stops."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,7 +22,8 @@ from tensorwire.transports import Connection, TransportConfig, connect, listen
 from .test_conformance import as_bytes, echo
 from .test_tcp import _tls_configs
 
-QUIET = 0.05  # seconds: many times the default window (200 µs)
+SPIN = TransportConfig(tcp_spin=200e-6)
+QUIET = 0.05  # seconds: many times the window
 
 
 @contextlib.asynccontextmanager
@@ -53,10 +56,10 @@ async def ping_pong(conn: Connection, rounds: int) -> None:
 
 
 async def test_a_ping_pong_polls_on_both_ends_and_stops_when_the_peer_is_quiet() -> None:
-    async with pair() as (client, server):
+    async with pair(SPIN, SPIN) as (client, server):
         for end in (client, server):
             assert end._spin_gate is not None
-            assert end._spin_gate.window == TransportConfig().tcp_spin == 200e-6
+            assert end._spin_gate.window == 200e-6
         await asyncio.sleep(QUIET)
         before = client.spin_polls, server.spin_polls
         await ping_pong(client, 200)
@@ -74,7 +77,7 @@ async def test_a_ping_pong_polls_on_both_ends_and_stops_when_the_peer_is_quiet()
 
 
 async def test_a_batch_is_not_followed_by_polling() -> None:
-    async with pair() as (client, server):
+    async with pair(SPIN, SPIN) as (client, server):
         await ping_pong(client, 3)
         await asyncio.sleep(QUIET)
         polls = server.spin_polls
@@ -87,9 +90,9 @@ async def test_a_batch_is_not_followed_by_polling() -> None:
 
 
 @pytest.mark.parametrize("which", ["server", "client"])
-async def test_tcp_spin_zero_never_polls(which: str) -> None:
-    off = TransportConfig(tcp_spin=0)
-    configs = (off, None) if which == "server" else (None, off)
+async def test_tcp_spin_zero_never_polls_and_is_the_default(which: str) -> None:
+    assert TransportConfig().tcp_spin == 0
+    configs = (None, SPIN) if which == "server" else (SPIN, None)
     async with pair(*configs) as (client, server):
         quiet_end = server if which == "server" else client
         await ping_pong(client, 50)
@@ -100,6 +103,8 @@ async def test_tcp_spin_zero_never_polls(which: str) -> None:
 
 async def test_tls_connections_do_not_poll() -> None:
     server_config, client_config = _tls_configs()
+    server_config = dataclasses.replace(server_config, tcp_spin=200e-6)
+    client_config = dataclasses.replace(client_config, tcp_spin=200e-6)
     async with pair(server_config, client_config) as (client, server):
         await ping_pong(client, 20)
         for end in (client, server):
