@@ -49,6 +49,13 @@ ProgressMode = Literal["blocking", "polling"]
 _THREAD_MODES = ("thread", "thread-polling")
 
 
+def _seconds_0_to_1(value: object) -> bool:
+    """Whether ``value`` is a spin window: a number of seconds from 0 to 1
+    (not a bool, which would read as 0 or 1 s)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and 0 <= value <= 1)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class UCXOptions:
     """UCX settings for the ucx:// transport.
@@ -82,7 +89,7 @@ class UCXOptions:
             )
         if self.progress_mode not in ("blocking", "polling"):
             raise ConfigError(f"unknown UCX progress mode {self.progress_mode!r}")
-        if not isinstance(self.spin, int | float) or not 0 <= self.spin <= 1:
+        if not _seconds_0_to_1(self.spin):
             raise ConfigError(f"UCXOptions.spin must be 0 to 1 seconds, got {self.spin!r}")
         for key in self.environment:
             if not key.startswith("UCX_"):
@@ -165,7 +172,7 @@ class TransportConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"TransportConfig.{name} must be a positive int or None")
-        if not isinstance(self.tcp_spin, int | float) or not 0 <= self.tcp_spin <= 1:
+        if not _seconds_0_to_1(self.tcp_spin):
             raise ConfigError(f"TransportConfig.tcp_spin must be 0 to 1 seconds, "
                               f"got {self.tcp_spin!r}")
         if self.inproc_queue < 1:

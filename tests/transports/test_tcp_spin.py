@@ -111,7 +111,7 @@ async def test_tls_connections_do_not_poll() -> None:
             assert end._spin_gate is None and end.spin_polls == 0
 
 
-@pytest.mark.parametrize("spin", [-1e-6, 1.5, float("nan"), "0.0002", None])
+@pytest.mark.parametrize("spin", [-1e-6, 1.5, float("nan"), "0.0002", None, True])
 def test_tcp_spin_must_be_0_to_1_seconds(spin: object) -> None:
     with pytest.raises(ConfigError, match="tcp_spin must be 0 to 1 seconds"):
         TransportConfig(tcp_spin=spin)  # type: ignore[arg-type]

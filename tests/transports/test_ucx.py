@@ -175,7 +175,7 @@ async def test_spin_free_blocking_mode_works_and_is_fixed_while_in_use() -> None
             await connect(listener.address)  # the default spin differs
 
 
-@pytest.mark.parametrize("spin", [-1, 2, "fast"])
+@pytest.mark.parametrize("spin", [-1, 2, "fast", True, float("nan")])
 def test_spin_is_validated(spin: object) -> None:
     with pytest.raises(ConfigError, match="spin"):
         UCXOptions(spin=spin)  # type: ignore[arg-type]
