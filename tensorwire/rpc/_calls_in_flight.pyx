@@ -235,9 +235,9 @@ cdef class CallsInFlight(MessageHandler):
         """Register ``waiter`` and post the call's REQUEST of ``args`` and
         ``kwargs`` (its value, ``[list(args), kwargs]``, encoded here: its
         serde header and the request's are written together once the call
-        id is known) with
-        the time left until ``deadline`` (loop time; ``now`` is the loop
-        time); the waiter fails at ``deadline + grace``. Returns the call id.
+        id is known) with the time left until ``deadline`` (loop time;
+        ``now`` is the loop time); the waiter fails at ``deadline + grace``.
+        Returns the call id.
 
         Raises:
             DeadlineExceeded: no time is left (the call is not sent: a

@@ -195,7 +195,7 @@ cdef class ClientCore:
                     # Arguments that cannot be encoded fail the call now,
                     # not once connected (once connected, they are encoded
                     # with the REQUEST, when the call has its id).
-                    self._encode([list(args), kwargs])
+                    self._encoder.encode_arguments(args, kwargs)
                     session = await self._ready_by(deadline, method)
                     now = session.time()  # it waited
                 try:

@@ -349,7 +349,7 @@ class Client(ClientCore):
     ) -> AsyncIterator[Any]:
         session = await self._ready_by(deadline, method)
         args, source, stream_arg = _split_stream(args)
-        payload = self._encode([list(args), kwargs])
+        payload = self._encoder.encode_arguments(args, kwargs)
         metrics = self._metrics[method]
         started = time.perf_counter()
         error = True
