@@ -18,13 +18,13 @@ from _rpc_variants import (
     FLOOR,
     PAIRED,
     SOCKET,
-    TCP_SPIN_VARIABLE,
     TINY,
     UCXX,
     VARIANTS,
     MiB,
     Plan,
     placement,
+    tcp_spin,
 )
 
 #: The keys of a result whose median over the rounds the tables show.
@@ -156,11 +156,6 @@ def huge_pages() -> str:
     else:
         how = "off (`never`)"
     return f"{how}; /sys/kernel/mm/transparent_hugepage/enabled reads `{setting}`"
-
-
-def _tcp_spin() -> float:
-    """The ``TransportConfig.tcp_spin`` this run's tcp:// variants used."""
-    return float(os.environ.get(TCP_SPIN_VARIABLE, 0.0))
 
 
 def _revision() -> str:
@@ -419,7 +414,7 @@ def write_results(path: Path, plan: Plan, rows: dict[str, dict[str, Any] | str],
            "- tensorwire variants and the bare echoes run uvloop in both processes; grpc.aio "
            "and raw ucxx run asyncio's default loop. ucx:// uses `UCXOptions()`, and raw "
            "ucxx the same UCX settings (`UCX_RNDV_SCHEME=put_zcopy`); tcp:// uses "
-           f"`TransportConfig(tcp_spin={_tcp_spin()})`.",
+           f"`TransportConfig(tcp_spin={tcp_spin()})`.",
            "- Each variant: one server process, one client process, one connection.",
            _placement_note(pin), ""]
     placements = ("one", "two") if not pin else ("one",)

@@ -111,12 +111,21 @@ FLOOR_RECORD = struct.Struct("<QQ")
 TCP_SPIN_VARIABLE = "TENSORWIRE_BENCH_TCP_SPIN"
 
 
+def tcp_spin() -> float:
+    """The ``TransportConfig.tcp_spin`` of this run's tcp:// variants: the
+    library's default unless ``--tcp-spin`` set one."""
+    from tensorwire.transports import TransportConfig
+
+    spin = os.environ.get(TCP_SPIN_VARIABLE)
+    return TransportConfig().tcp_spin if spin is None else float(spin)
+
+
 def _transport_config(url: str) -> Any:
     from tensorwire.transports import TransportConfig, UCXOptions
 
     if url.startswith("ucx://"):
         return TransportConfig(ucx=UCXOptions())  # UCX's default settings on this host
-    return TransportConfig(tcp_spin=float(os.environ.get(TCP_SPIN_VARIABLE, 0.0)))
+    return TransportConfig(tcp_spin=tcp_spin())
 
 
 def _run_loop(kind: str, main: Callable[[], Awaitable[Any]]) -> Any:

@@ -61,7 +61,8 @@ _rpc_measure.py (processes, measuring, busy neighbours), _rpc_report.py
 ``placement``); by default the OS places them, except for the calls/s with
 64 in flight, which run again in pinned pairs of their own (see
 ``write_results``). ``--tcp-spin SECONDS`` runs tensorwire's tcp:// with
-``TransportConfig(tcp_spin=SECONDS)`` (default 0, as the library's).
+``TransportConfig(tcp_spin=SECONDS)`` (default: the library's, 200 µs; 0 never
+spins).
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true",
                         help="also measure the tiny-call latency of the RPC and the ceilings "
                              "beside one busy-looping process per CPU")
-    parser.add_argument("--tcp-spin", type=float, default=0.0, metavar="SECONDS",
-                        help="TransportConfig.tcp_spin for tensorwire over tcp:// (default 0)")
+    parser.add_argument("--tcp-spin", type=float, metavar="SECONDS",
+                        help="TransportConfig.tcp_spin for tensorwire over tcp:// (default: "
+                             "the library's)")
     parser.add_argument("--only", metavar="TEXT", action="append", default=[],
                         help="run only the variants whose name contains TEXT (repeatable; "
                              "for development)")
@@ -139,8 +141,9 @@ def main() -> None:
                         help="with --profile: 'none' runs the case unprofiled, for an outside "
                              "sampler (py-spy record --subprocesses -- python bench/rpc.py ...)")
     args = parser.parse_args()
-    # Read by every process started from here (bench/_rpc_variants.py).
-    os.environ[TCP_SPIN_VARIABLE] = repr(args.tcp_spin)
+    if args.tcp_spin is not None:
+        # Read by every process started from here (bench/_rpc_variants.py).
+        os.environ[TCP_SPIN_VARIABLE] = repr(args.tcp_spin)
     if args.count_calls:
         import uvloop
 

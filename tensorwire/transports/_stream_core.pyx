@@ -129,9 +129,11 @@ cdef class StreamCore:
             self._read_socket()
         finally:
             self._spin_gate.completed()
-            # One message (or part of one) a read: a ping-pong, which a
-            # wake-up would slow down. A batch: the loop has its work.
-            self._spin_wanted = self.messages_received - before <= 1
+            # Exactly one message a read: a ping-pong, which a wake-up
+            # would slow down. A batch: the loop has its work. Part of a
+            # message: a large one on its way, whose next bytes come when
+            # the socket's window lets them, not sooner for polling.
+            self._spin_wanted = self.messages_received - before == 1
             if self._spin_wanted:
                 self._keep_polling()
 

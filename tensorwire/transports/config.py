@@ -49,6 +49,12 @@ ProgressMode = Literal["blocking", "polling"]
 _THREAD_MODES = ("thread", "thread-polling")
 
 
+#: The default spin window of ucx:// (``UCXOptions.spin``) and tcp://
+#: (``TransportConfig.tcp_spin``), in seconds: a ping-pong's answer between
+#: processes on one host usually comes within it.
+SPIN_WINDOW = 200e-6
+
+
 def _seconds_0_to_1(value: object) -> bool:
     """Whether ``value`` is a spin window: a number of seconds from 0 to 1
     (not a bool, which would read as 0 or 1 s)."""
@@ -77,7 +83,7 @@ class UCXOptions:
     tls: tuple[str, ...] | None = None
     devices: tuple[str, ...] | None = None
     progress_mode: ProgressMode = "blocking"
-    spin: float = 200e-6
+    spin: float = SPIN_WINDOW
     rndv_scheme: str | None = "put_zcopy"
     environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -138,13 +144,14 @@ class TransportConfig:
             not yet finished the handshake (a slow-loris peer holds one until
             ``handshake_timeout``); one beyond it is closed at once too.
         tcp_spin: plain tcp:// (not TLS): seconds the event loop keeps
-            polling a connection after a read of at most one message,
+            polling a connection after a read of exactly one message,
             before it may sleep (in a ping-pong the answer usually comes
-            within it, and a poll costs far less than a wake-up). A window
-            that passes with no data shuts the next ones for a while, as
-            ``UCXOptions.spin``'s do. 0 (the default) never spins: the
-            polling takes a core that other busy processes on the host may
-            need (see docs/transports.md, "tcp://").
+            within it, and a poll costs far less than a wake-up); not
+            after a batch or part of a large message. A window that passes
+            with no data shuts the next ones for a while, as
+            ``UCXOptions.spin``'s do. 0 never spins: for a host with more
+            busy processes than cores, where the polling may take a core
+            another process needs (see docs/transports.md, "tcp://").
     """
 
     limits: Limits = Limits()
@@ -161,7 +168,7 @@ class TransportConfig:
     max_unsent_bytes: int = 64 * MiB
     max_connections: int = 4096
     max_pending_connections: int = 256
-    tcp_spin: float = 0.0
+    tcp_spin: float = SPIN_WINDOW
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "handshake_timeout", "close_timeout"):

@@ -1,11 +1,11 @@
 """tcp://'s spin window (``TransportConfig.tcp_spin``, ``_spin_gate.SpinGate``):
-with it set, after a read that looks like a ping-pong (at most one
-message), a plain tcp:// connection keeps its event loop polling for the
-next message while the window is open, instead of letting the process
-sleep; not after a batch, not once the peer is quiet, never over TLS, and
-not by default (``tcp_spin=0``). What it buys is latency between processes
-(bench/rpc.py --tcp-spin); here, on real sockets in one process, what it
-does and when it stops."""
+after a read that looks like a ping-pong (exactly one message), a plain
+tcp:// connection keeps its event loop polling for the next message while
+the window is open, instead of letting the process sleep; by default, but
+not after a batch or part of a large message, not once the peer is quiet,
+never over TLS, and never with ``tcp_spin=0``. What it buys is latency
+between processes (bench/rpc.py); here, on real sockets in one process,
+what it does and when it stops."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from tensorwire.transports import Connection, TransportConfig, connect, listen
 from .test_conformance import as_bytes, echo
 from .test_tcp import _tls_configs
 
-SPIN = TransportConfig(tcp_spin=200e-6)
+SPIN = TransportConfig()
+NO_SPIN = TransportConfig(tcp_spin=0)
 QUIET = 0.05  # seconds: many times the window
 
 
@@ -89,10 +90,48 @@ async def test_a_batch_is_not_followed_by_polling() -> None:
         assert server.spin_polls == polls
 
 
+async def test_part_of_a_large_message_is_not_followed_by_polling() -> None:
+    """32 MiB arrive in many reads, none but the last completing a message:
+    those reads poll nothing (the rest of a large message comes as the
+    socket's window lets it, not sooner for polling)."""
+    received: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+
+    async def handler(conn: Connection) -> None:
+        await echo_n(conn, 3)
+        await asyncio.sleep(QUIET)  # the windows of the ping-pong close
+        polls = conn.spin_polls
+        message = await conn.recv()
+        # The read that completed the message scheduled its poll after
+        # handing the message out: only the partial reads could have polled.
+        received.set_result((polls, conn.spin_polls))
+        await conn.send(message)
+
+    big = bytes(range(256)) * (128 * 1024)
+    listener = await listen("tcp://127.0.0.1:0", handler, config=SPIN)
+    try:
+        client = await connect(listener.address, config=SPIN)
+        try:
+            await ping_pong(client, 3)
+            await asyncio.sleep(QUIET)
+            await client.send([big])
+            before, after = await asyncio.wait_for(received, 10)
+            assert as_bytes((await client.recv())[0]) == big
+        finally:
+            await client.close()
+    finally:
+        await listener.close()
+    assert after == before
+
+
+async def echo_n(conn: Connection, count: int) -> None:
+    for _ in range(count):
+        await conn.send(await conn.recv())
+
+
 @pytest.mark.parametrize("which", ["server", "client"])
-async def test_tcp_spin_zero_never_polls_and_is_the_default(which: str) -> None:
-    assert TransportConfig().tcp_spin == 0
-    configs = (None, SPIN) if which == "server" else (SPIN, None)
+async def test_tcp_spin_zero_never_polls(which: str) -> None:
+    assert TransportConfig().tcp_spin == 200e-6  # on by default
+    configs = (NO_SPIN, SPIN) if which == "server" else (SPIN, NO_SPIN)
     async with pair(*configs) as (client, server):
         quiet_end = server if which == "server" else client
         await ping_pong(client, 50)
