@@ -24,8 +24,8 @@ from _rpc_variants import (
     MiB,
     Plan,
     placement,
-    tcp_spin,
 )
+from _spin_setting import tcp_spin
 
 #: The keys of a result whose median over the rounds the tables show.
 _NUMBERS = ("p50", "p99", "cps1", "cps64", "cps64_os", "cps64_one", "cps64_two")

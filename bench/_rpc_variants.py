@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _spin_setting import tcp_spin
 
 RESULTS = Path(__file__).parent / "results" / "rpc.md"
 #: The names of the ceilings (the targets look them up).
@@ -104,20 +105,6 @@ FLOOR_RECORD = struct.Struct("<QQ")
 
 
 # --- shared pieces -----------------------------------------------------------
-
-
-#: Set by ``bench/rpc.py --tcp-spin`` for every process it starts:
-#: ``TransportConfig.tcp_spin`` for tensorwire over tcp://.
-TCP_SPIN_VARIABLE = "TENSORWIRE_BENCH_TCP_SPIN"
-
-
-def tcp_spin() -> float:
-    """The ``TransportConfig.tcp_spin`` of this run's tcp:// variants: the
-    library's default unless ``--tcp-spin`` set one."""
-    from tensorwire.transports import TransportConfig
-
-    spin = os.environ.get(TCP_SPIN_VARIABLE)
-    return TransportConfig().tcp_spin if spin is None else float(spin)
 
 
 def _transport_config(url: str) -> Any:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _spin_setting import tcp_spin
 
 RESULTS = Path(__file__).parent / "results" / "collective.md"
 SIZES = [8, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -73,7 +74,7 @@ def tensorwire_rank(rank: int, world: int, master: str, listen: str, sizes: list
     # More ranks than cores: UCX's poll-after-completion would take the core
     # the peer needs (UCXOptions.spin).
     ucx = UCXOptions(spin=0) if world > (os.cpu_count() or 1) else UCXOptions()
-    config = GroupConfig(timeout=600, transport=TransportConfig(ucx=ucx))
+    config = GroupConfig(timeout=600, transport=TransportConfig(ucx=ucx, tcp_spin=tcp_spin()))
 
     async def main() -> list[float]:
         group = await Group.create(rank=rank, world_size=world, master=master, listen=listen,
@@ -230,7 +231,8 @@ def write(args: argparse.Namespace, sizes: list[int], table: dict[tuple[str, int
         "batches after a warm-up operation; every process of a variant runs on the same "
         "2 cores, so 4 processes share them two by two.",
         "- ucx:// runs with `UCXOptions(spin=0)` where the processes outnumber the cores "
-        "(docs/collective.md, \"Performance\"), with UCX's defaults otherwise.",
+        "(docs/collective.md, \"Performance\"), with UCX's defaults otherwise; tcp:// "
+        f"with `TransportConfig(tcp_spin={tcp_spin()})`.",
         "- algbw = bytes / time; busbw = algbw * 2(n-1)/n (nccl-tests' definition); "
         "1 GB/s = 1e9 bytes/s.",
         "",

@@ -83,10 +83,10 @@ from _rpc_variants import (
     PAIRED,
     PINNED_CPS64,
     RESULTS,
-    TCP_SPIN_VARIABLE,
     VARIANTS,
     Plan,
 )
+from _spin_setting import TCP_SPIN_VARIABLE
 
 
 def profile(directory: Path, plan: Plan, *, cprofile: bool = True, pin: bool = False) -> None:
