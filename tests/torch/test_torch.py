@@ -61,6 +61,12 @@ async def test_ddp_hook_ends_with_gloos_weights(tmp_path: Path) -> None:
         assert r["moved"] > 1e-2  # the runs trained: the comparison means something
         assert r["diff"] < 1e-5, r
         assert r["same_bits"], r
+        # Every step's first bucket was reduced before DDP handed over the
+        # last: the hook's allreduces run during the backward pass. (DDP's
+        # first step, before it rebuilds its buckets, may hand all over as
+        # one.)
+        assert r["buckets"] >= 2, r
+        assert len(r["first_back_before_last"]) >= 11 and all(r["first_back_before_last"]), r
 
 
 @pytest.mark.gpu
@@ -180,6 +186,11 @@ async def test_compression_converges_with_fewer_bytes(tmp_path: Path) -> None:
         assert int8["accuracy"] > plain["accuracy"] - 0.02, r
         # fp16 reduces by the same algorithm in half the bytes.
         assert half["bytes"] == plain["bytes"] // 2, r
+        # int8 payloads do not add up, so each rank's goes to every other
+        # rank (an allgather): one byte per element where float32 takes
+        # four, plus a float64 scale per bucket (at most 4 buckets).
+        floor = (len(reports) - 1) * r["elements"] * r["steps"]
+        assert floor <= int8["bytes"] <= floor + (len(reports) - 1) * 4 * 8 * r["steps"], r
 
 
 async def test_a_dead_rank_fails_the_others_backward(tmp_path: Path) -> None:
