@@ -48,7 +48,8 @@ class CompressedAllreduce:
         self._low: dict[int, torch.Tensor] = {}
 
     async def run(self, group: Group, index: int, bucket: torch.Tensor) -> torch.Tensor:
-        """Average ``bucket`` (a contiguous CPU float tensor) in place; returns it."""
+        """Average ``bucket`` (a contiguous CPU float tensor) in place; returns
+        it (the hook copies a CUDA bucket to host memory first)."""
         grad = bucket.detach().numpy()
         if self.codec.name in _CASTS:
             total = await self._cast_reduce(group, index, grad)

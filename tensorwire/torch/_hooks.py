@@ -90,9 +90,11 @@ def allreduce_hook(state: AllreduceState,
 
     The bucket (a contiguous CPU tensor, or CUDA with ucx://) is reduced in
     place, without a copy; the future is completed by the group's loop
-    thread. A failure (a rank that died: :class:`RankFailedError`) fails the
-    future, and with it the backward pass: DDP raises it as a RuntimeError
-    whose text starts ``tensorwire RankFailedError:``; ``state.error`` is
+    thread. With compression, whose codecs run in NumPy, a CUDA bucket is
+    copied to host memory and the result back. A failure (a rank that died:
+    :class:`RankFailedError`) fails the future, and with it the backward
+    pass: DDP raises it as a RuntimeError whose text starts
+    ``tensorwire RankFailedError:``; ``state.error`` is
     the original exception.
     """
     buffer = bucket.buffer()
@@ -102,7 +104,10 @@ def allreduce_hook(state: AllreduceState,
             _average, buffer, algorithm=state.algorithm, timeout=state.timeout))
     else:
         index = bucket.index()
-        done = state.group.submit(lambda g: compressed.run(g, index, buffer))
+        # Copied here, on the thread whose stream computed the gradients.
+        host = _on_host(buffer)
+        done = state.group.submit(functools.partial(_reduce_on_host, compressed, index,
+                                                    buffer, host))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.add_done_callback(functools.partial(_complete, state, future, [buffer]))
     return future
@@ -111,6 +116,21 @@ def allreduce_hook(state: AllreduceState,
 def _average(buffer: torch.Tensor, group: Group, *, algorithm: Algorithm,
              timeout: float | None) -> Any:
     return group.allreduce(buffer, ReduceOp.AVG, algorithm=algorithm, timeout=timeout)
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory: itself on the CPU, else a copy there."""
+    return tensor.detach() if tensor.device.type == "cpu" else tensor.detach().cpu()
+
+
+async def _reduce_on_host(compressed: CompressedAllreduce, index: int, buffer: torch.Tensor,
+                          host: torch.Tensor, group: Group) -> torch.Tensor:
+    """The compressed average of ``host`` (``buffer``'s data in host memory),
+    written back into ``buffer`` if that is on a device."""
+    await compressed.run(group, index, host)
+    if host.data_ptr() != buffer.data_ptr():
+        buffer.copy_(host)
+    return buffer
 
 
 def _complete(state: "AllreduceState | PSState",
@@ -185,7 +205,7 @@ class PSState:
         self.mode: Mode = ("gradient" if isinstance(client.client.job.optimizer, Aggregate)
                            else "parameters")
         self.num_workers = client.client.job.num_workers
-        start = client.init({name: p.detach().numpy() for name, p in params.items()})
+        start = client.init({name: _on_host(p).numpy() for name, p in params.items()})
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(torch.from_numpy(np.asarray(start[name])).view_as(param))
@@ -195,11 +215,13 @@ class PSState:
 
     def _part(self, bucket: GradBucket) -> tuple[dict[str, np.ndarray[Any, Any]],
                                                  dict[str, torch.Tensor]]:
-        """The bucket's gradients by parameter name: as arrays to push, and
-        as the views of the bucket's buffer to write the answer into."""
+        """The bucket's gradients by parameter name: as arrays to push (in
+        host memory: the shards' optimizers run in NumPy, so CUDA gradients
+        are copied), and as the views of the bucket's buffer to write the
+        answer into."""
         views = {self._names[param.data_ptr()]: grad
                  for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True)}
-        return {name: grad.numpy() for name, grad in views.items()}, views
+        return {name: _on_host(grad).numpy() for name, grad in views.items()}, views
 
     def _finish(self, views: dict[str, torch.Tensor], result: dict[str, Any]) -> None:
         """Write the shards' answer into a bucket (and, for parameters, the model)."""

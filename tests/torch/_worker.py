@@ -304,10 +304,44 @@ def kill(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
     return {"raised": None}
 
 
+def cuda_staged(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
+    """The hooks whose work runs in NumPy, on CUDA buckets (copied to host
+    memory and back): the fp16 hook against the same hook on the CPU, and
+    the PS hook against plain SGD applied locally."""
+    x, y = digits()
+    steps = 6
+    trained = {}
+    for device in ("cpu", "cuda"):
+        net = DDP(model().to(device), bucket_cap_mb=BUCKET_MB,
+                  device_ids=[0] if device == "cuda" else None)
+        net.register_comm_hook(twt.AllreduceState(group, compression="fp16"),
+                               twt.allreduce_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.2)
+        train(net, opt, steps, lambda s, d=device: tuple(t.to(d) for t in batch(x, y, s, rank,
+                                                                                 world)))
+        trained[device] = flat(net.module).cpu()
+    net = DDP(model(seed=rank).cuda(), bucket_cap_mb=BUCKET_MB, device_ids=[0])
+    client = ps.SyncClient(os.environ["PS_ADDRESSES"].split(","), worker=rank,
+                           num_workers=world, optimizer=ps.SGD(lr=0.2), loop_of=group)
+    try:
+        net.register_comm_hook(twt.PSState(client, net.module), twt.ps_hook)
+        train(net, torch.optim.SGD(net.parameters(), lr=0.0), steps,
+              lambda s: tuple(t.cuda() for t in batch(x, y, s, rank, world)))
+    finally:
+        client.close()
+    alone = model(seed=0)
+    train(alone, torch.optim.SGD(alone.parameters(), lr=0.2), steps,
+          lambda s: global_batch(x, y, s, world))
+    return {"fp16": float((trained["cpu"] - trained["cuda"]).abs().max()),
+            "moved": float((trained["cuda"] - flat(model())).abs().max()),
+            "ps": float((flat(net.module).cpu() - flat(alone)).abs().max())}
+
+
 SCENARIOS = {"ddp": ddp, "optimizer": optimizer, "accumulate": accumulate, "ps": ps_hook,
              "ps_ucx": ps_ucx,
              "compress": compress,
-             "kill": kill, "ddp_cuda": functools.partial(ddp, device="cuda")}
+             "kill": kill, "ddp_cuda": functools.partial(ddp, device="cuda"),
+             "cuda_staged": cuda_staged}
 
 
 def main() -> None:

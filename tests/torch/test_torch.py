@@ -88,6 +88,32 @@ async def test_ddp_hook_on_cuda_buckets_over_ucx(tmp_path: Path) -> None:
         assert r["same_bits"], r
 
 
+@pytest.mark.gpu
+async def test_compressed_and_ps_hooks_take_cuda_buckets(tmp_path: Path) -> None:
+    # Their codecs and the shards' optimizers run in NumPy: the hooks copy a
+    # CUDA bucket to host memory and the answer back, and train as on the CPU.
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    from tensorwire import ps
+
+    shard = await ps.serve("tcp://127.0.0.1:0")
+    try:
+        reports, log, code = await run("cuda_staged", 2, tmp_path,
+                                       {"PS_ADDRESSES": shard.addresses[0]})
+    finally:
+        await shard.close(checkpoint=False)
+    assert code == [0] * len(code), log[-4000:]
+    assert len(reports) == 2, log[-4000:]
+    for r in reports:
+        assert r["moved"] > 1e-2, r
+        # The GPU's and the CPU's float sums may round apart, and fp16 can
+        # carry that one step of its precision further.
+        assert r["fp16"] < 1e-3, r
+        assert r["ps"] < 1e-4, r
+
+
 async def test_distributed_optimizer_matches_one_process(tmp_path: Path) -> None:
     reports, log, code = await run("optimizer", 3, tmp_path)
     assert code == [0] * len(code), log[-4000:]
