@@ -9,6 +9,7 @@ JSON line with its findings; the test asserts on them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -25,8 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorwire.torch as twt
 from tensorwire import ps
-from tensorwire.collective import GroupConfig, SyncGroup
+from tensorwire.collective import Algorithm, GroupConfig, SyncGroup
 from tensorwire.errors import FailedPrecondition
+from tensorwire.timeline import Timeline
 
 CONFIG = GroupConfig(timeout=30, rendezvous_timeout=60, heartbeat_interval=1,
                      heartbeat_timeout=20)
@@ -82,7 +84,7 @@ def flat(net: torch.nn.Module) -> torch.Tensor:
 
 
 def ddp(group: SyncGroup, rank: int, world: int, device: str = "cpu",
-        steps: int = 12) -> dict[str, Any]:
+        steps: int = 12, algorithm: Algorithm = "auto") -> dict[str, Any]:
     """DDP over gloo and DDP with the tensorwire hook end with the same weights
     (on ``device``: with ``"cuda"`` the buckets are CUDA tensors)."""
     x, y = (t.to(device) for t in digits())
@@ -92,7 +94,8 @@ def ddp(group: SyncGroup, rank: int, world: int, device: str = "cpu",
         net = DDP(model().to(device), bucket_cap_mb=BUCKET_MB,
                   device_ids=[0] if device == "cuda" else None)
         if name == "tensorwire":
-            net.register_comm_hook(twt.AllreduceState(group), watch.hook)
+            net.register_comm_hook(twt.AllreduceState(group, algorithm=algorithm),
+                                   watch.hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
         train(net, opt, steps, lambda s: batch(x, y, s, rank, world))
         results[name] = flat(net.module)
@@ -304,6 +307,17 @@ def kill(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
     return {"raised": None}
 
 
+def ddp_hierarchical(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
+    """The oracle of ``ddp`` with the hook's allreduces hierarchical, over the
+    topology that main() declared (two emulated hosts); and how many of the
+    group's operations ran hierarchically."""
+    found = ddp(group, rank, world, algorithm="hierarchical")
+    timeline = group.group.config.timeline
+    assert timeline is not None
+    calls = [e["args"]["call"] for e in timeline.events]
+    return {**found, "hierarchical": sum(c.endswith(",hierarchical)") for c in calls)}
+
+
 def cuda_staged(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
     """The hooks whose work runs in NumPy, on CUDA buckets (copied to host
     memory and back): the fp16 hook against the same hook on the CPU, and
@@ -341,7 +355,10 @@ SCENARIOS = {"ddp": ddp, "optimizer": optimizer, "accumulate": accumulate, "ps":
              "ps_ucx": ps_ucx,
              "compress": compress,
              "kill": kill, "ddp_cuda": functools.partial(ddp, device="cuda"),
-             "cuda_staged": cuda_staged}
+             "cuda_staged": cuda_staged, "ddp_hierarchical": ddp_hierarchical}
+#: Scenarios whose group declares a topology: two emulated hosts, ranks
+#: split in halves, and every allreduce above 1 KiB hierarchical.
+HIERARCHICAL = {"ddp_hierarchical"}
 
 
 def main() -> None:
@@ -350,7 +367,12 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.environ['TORCH_STORE']}",
                             rank=rank, world_size=world)
-    group = SyncGroup.from_env(config=CONFIG)
+    config = CONFIG
+    if scenario in HIERARCHICAL:
+        hosts = {"a": list(range(world // 2)), "b": list(range(world // 2, world))}
+        config = dataclasses.replace(CONFIG, topology=hosts, hierarchical_bytes=1 << 10,
+                                     timeline=Timeline())
+    group = SyncGroup.from_env(config=config)
     try:
         found = SCENARIOS[scenario](group, rank, world)
         report(rank=rank, ok=True, **found)

@@ -69,6 +69,21 @@ async def test_ddp_hook_ends_with_gloos_weights(tmp_path: Path) -> None:
         assert len(r["first_back_before_last"]) >= 11 and all(r["first_back_before_last"]), r
 
 
+async def test_ddp_hook_with_a_hierarchical_group_ends_with_gloos_weights(
+        tmp_path: Path) -> None:
+    # Four ranks on two emulated hosts (GroupConfig.topology): each bucket
+    # reduced within the hosts, between their leaders, and back.
+    reports, log, code = await run("ddp_hierarchical", 4, tmp_path)
+    assert code == [0] * len(code), log[-4000:]
+    assert len(reports) == 4, log[-4000:]
+    for r in reports:
+        assert r["moved"] > 1e-2, r
+        assert r["diff"] < 1e-5, r
+        assert r["same_bits"], r
+        # Every bucket of the 11 steps after DDP rebuilt its buckets.
+        assert r["hierarchical"] >= 11 * r["buckets"], r
+
+
 @pytest.mark.gpu
 async def test_ddp_hook_on_cuda_buckets_over_ucx(tmp_path: Path) -> None:
     # The same oracle with the model on the GPU: DDP's buckets are CUDA
