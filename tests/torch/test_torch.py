@@ -53,10 +53,17 @@ async def run(scenario: str, world: int, tmp_path: Path, env: dict[str, str] | N
     return sorted(reports, key=lambda r: r["rank"]), log, codes
 
 
+async def run_ok(scenario: str, world: int, tmp_path: Path, env: dict[str, str] | None = None,
+                 listen: str = "tcp://127.0.0.1:0") -> list[dict[str, Any]]:
+    """``run``, with every rank exiting 0 and reporting: their reports."""
+    reports, log, codes = await run(scenario, world, tmp_path, env, listen)
+    assert codes == [0] * world, log[-4000:]
+    assert len(reports) == world, log[-4000:]
+    return reports
+
+
 async def test_ddp_hook_ends_with_gloos_weights(tmp_path: Path) -> None:
-    reports, log, code = await run("ddp", 3, tmp_path)
-    assert code == [0] * len(code), log[-4000:]
-    assert len(reports) == 3, log[-4000:]
+    reports = await run_ok("ddp", 3, tmp_path)
     for r in reports:
         assert r["moved"] > 1e-2  # the runs trained: the comparison means something
         assert r["diff"] < 1e-5, r
@@ -73,9 +80,7 @@ async def test_ddp_hook_with_a_hierarchical_group_ends_with_gloos_weights(
         tmp_path: Path) -> None:
     # Four ranks on two emulated hosts (GroupConfig.topology): each bucket
     # reduced within the hosts, between their leaders, and back.
-    reports, log, code = await run("ddp_hierarchical", 4, tmp_path)
-    assert code == [0] * len(code), log[-4000:]
-    assert len(reports) == 4, log[-4000:]
+    reports = await run_ok("ddp_hierarchical", 4, tmp_path)
     for r in reports:
         assert r["moved"] > 1e-2, r
         assert r["diff"] < 1e-5, r
@@ -94,9 +99,7 @@ async def test_ddp_hook_on_cuda_buckets_over_ucx(tmp_path: Path) -> None:
         pytest.skip("torch has no CUDA device")
     if importlib.util.find_spec("ucxx") is None:
         pytest.skip("ucxx is not installed")
-    reports, log, code = await run("ddp_cuda", 2, tmp_path, listen="ucx://127.0.0.1:0")
-    assert code == [0] * len(code), log[-4000:]
-    assert len(reports) == 2, log[-4000:]
+    reports = await run_ok("ddp_cuda", 2, tmp_path, listen="ucx://127.0.0.1:0")
     for r in reports:
         assert r["moved"] > 1e-2
         assert r["diff"] < 1e-5, r
@@ -115,12 +118,10 @@ async def test_compressed_and_ps_hooks_take_cuda_buckets(tmp_path: Path) -> None
 
     shard = await ps.serve("tcp://127.0.0.1:0")
     try:
-        reports, log, code = await run("cuda_staged", 2, tmp_path,
-                                       {"PS_ADDRESSES": shard.addresses[0]})
+        reports = await run_ok("cuda_staged", 2, tmp_path,
+                               {"PS_ADDRESSES": shard.addresses[0]})
     finally:
         await shard.close(checkpoint=False)
-    assert code == [0] * len(code), log[-4000:]
-    assert len(reports) == 2, log[-4000:]
     for r in reports:
         assert r["moved"] > 1e-2, r
         # The GPU's and the CPU's float sums may round apart, and fp16 can
@@ -130,9 +131,7 @@ async def test_compressed_and_ps_hooks_take_cuda_buckets(tmp_path: Path) -> None
 
 
 async def test_distributed_optimizer_matches_one_process(tmp_path: Path) -> None:
-    reports, log, code = await run("optimizer", 3, tmp_path)
-    assert code == [0] * len(code), log[-4000:]
-    assert len(reports) == 3, log[-4000:]
+    reports = await run_ok("optimizer", 3, tmp_path)
     for r in reports:
         assert r["start_equal"], r
         assert r["diff"] < 1e-5, r
@@ -143,9 +142,7 @@ async def test_distributed_optimizer_accumulates_backward_passes(tmp_path: Path)
     # Two backward passes a step, reduced once: the same weights as one
     # process on the concatenated batch. A third pass before step() would
     # add into gradients whose reduction is in flight: it raises.
-    reports, log, code = await run("accumulate", 2, tmp_path)
-    assert code == [0] * len(code), log[-4000:]
-    assert len(reports) == 2, log[-4000:]
+    reports = await run_ok("accumulate", 2, tmp_path)
     for r in reports:
         assert r["moved"] > 1e-2, r
         assert r["diff"] < 1e-5, r
@@ -170,12 +167,10 @@ async def test_ps_hook_matches_local_sgd(tmp_path: Path) -> None:
     shards = [await ps.serve("tcp://127.0.0.1:0") for _ in range(2)]
     try:
         addresses = ",".join(s.addresses[0] for s in shards)
-        reports, log, code = await run("ps", 2, tmp_path, {"PS_ADDRESSES": addresses})
+        reports = await run_ok("ps", 2, tmp_path, {"PS_ADDRESSES": addresses})
     finally:
         for shard in shards:
             await shard.close(checkpoint=False)
-    assert code == [0] * len(code), log[-4000:]
-    assert len(reports) == 2, log[-4000:]
     for r in reports:
         assert r["params"] < 1e-5, r
         assert r["grads"] < 1e-5, r
@@ -198,13 +193,10 @@ async def test_allreduce_and_ps_hooks_over_ucx_in_one_process(tmp_path: Path) ->
 
     shard = await ps.serve("ucx://127.0.0.1:0")
     try:
-        reports, log, code = await run("ps_ucx", 2, tmp_path,
-                                       {"PS_ADDRESSES": shard.addresses[0]},
-                                       listen="ucx://127.0.0.1:0")
+        reports = await run_ok("ps_ucx", 2, tmp_path, {"PS_ADDRESSES": shard.addresses[0]},
+                               listen="ucx://127.0.0.1:0")
     finally:
         await shard.close(checkpoint=False)
-    assert code == [0] * len(code), log[-4000:]
-    assert len(reports) == 2, log[-4000:]
     for r in reports:
         assert r["group_listens"].startswith("ucx://"), r
         assert r["shards"] == [shard.addresses[0]], r
@@ -217,9 +209,7 @@ async def test_allreduce_and_ps_hooks_over_ucx_in_one_process(tmp_path: Path) ->
 
 @pytest.mark.slow
 async def test_compression_converges_with_fewer_bytes(tmp_path: Path) -> None:
-    reports, log, code = await run("compress", 3, tmp_path)
-    assert code == [0] * len(code), log[-4000:]
-    assert len(reports) == 3, log[-4000:]
+    reports = await run_ok("compress", 3, tmp_path)
     for r in reports:
         plain, half, int8 = r["None"], r["fp16"], r["int8"]
         assert plain["accuracy"] > 0.85, r
