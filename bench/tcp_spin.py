@@ -33,7 +33,7 @@ import collective
 from _rpc_measure import run_variant
 from _rpc_report import _load, _revision, environment
 from _rpc_variants import FLOOR, VARIANTS, Plan
-from _spin_setting import TCP_SPIN_VARIABLE
+from _spin_setting import TCP_SPIN_VARIABLE, tcp_spin
 
 RESULTS = Path(__file__).parent / "results" / "tcp_spin.md"
 RPC = "tensorwire RPC tcp://"
@@ -77,9 +77,7 @@ def run(rounds: int) -> tuple[dict[tuple[str, str], list[list[float]]], dict[str
             floor[where].append(tiny_p50(FLOOR, where == "busy host"))
         for name, measure in cases().items():
             for setting in SETTINGS:
-                if setting == "default":
-                    os.environ.pop(TCP_SPIN_VARIABLE, None)
-                else:
+                if setting != "default":
                     os.environ[TCP_SPIN_VARIABLE] = setting
                 try:
                     values = measure()
@@ -98,9 +96,7 @@ def spread(values: list[float]) -> str:
 
 def table(results: dict[tuple[str, str], list[list[float]]], floor: dict[str, list[float]],
           rounds: int) -> list[str]:
-    from tensorwire.transports import TransportConfig
-
-    default = TransportConfig().tcp_spin
+    default = tcp_spin()  # the library's: the variable is unset here
     lines = ["| case | size | tcp_spin=0 | tcp_spin default | default / 0, each round |",
              "|---|---:|---:|---:|---:|"]
     for name in cases():

@@ -190,7 +190,7 @@ def ps_hook(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
                                optimizer=server_opt, loop_of=group)
         try:
             state = twt.PSState(client, net.module)
-            watch = _FirstBucketWatch()
+            watch = _FirstBucketWatch(twt.ps_hook)
             net.register_comm_hook(state, watch.hook)
             opt = torch.optim.SGD(net.parameters(), lr=0.2 if job == "grads" else 0.0)
             train(net, opt, steps, lambda s: batch(x, y, s, rank, world))
@@ -206,13 +206,13 @@ def ps_hook(group: SyncGroup, rank: int, world: int) -> dict[str, Any]:
 
 
 class _FirstBucketWatch:
-    """Wraps a hook (``twt.ps_hook`` by default): when DDP hands over the
-    last bucket of a step, waits (bounded) for the first bucket's future,
-    and notes whether it was done. Had the hook sent nothing until the
-    backward pass ended, it could not be."""
+    """Wraps a hook: when DDP hands over the last bucket of a step, waits
+    (bounded) for the first bucket's future, and notes whether it was done.
+    Had the hook sent nothing until the backward pass ended, it could not
+    be."""
 
-    def __init__(self, inner: Callable[..., Any] | None = None) -> None:
-        self.inner = twt.ps_hook if inner is None else inner
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
         self.back: list[bool] = []
         self.buckets = 0
         self._first = threading.Event()
