@@ -20,6 +20,7 @@ from _rpc_bare import CALLERS, SERVERS
 from _rpc_variants import (
     CONCURRENCY,
     PAIRED,
+    PEERS,
     MiB,
     Plan,
     Variant,
@@ -51,7 +52,8 @@ def server_main(ready: Any, stop: Any, variant: Variant, profile: str | None,
 class _TurnTaker(_Caller):
     """A caller in a process of its own (``turn_taker_main``), one turn per
     request over a pipe, timed there: the pair's other client, where sharing
-    the RPC client's process would slow the RPC (grpc.aio's threads)."""
+    the RPC client's process would slow one of the two (grpc.aio's threads;
+    raw ucxx's own UCX worker and progress)."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -83,13 +85,15 @@ class _TurnTaker(_Caller):
         self.conn.send(("stop",))
 
 
-def turn_taker_main(conn: Any, address: str, cpu: int | None) -> None:
-    """The pair's grpc.aio client (uvloop), taking the turns ``_TurnTaker`` asks for."""
+def turn_taker_main(conn: Any, address: str, cpu: int | None, kind: str) -> None:
+    """The pair's other client (uvloop): a grpc.aio client, or the ceiling
+    of ``kind`` ("socket", "ucxx"), taking the turns ``_TurnTaker`` asks for."""
     _pin(cpu)
+    cls = {"grpc": _GRPCCaller, **CALLERS}[kind]
 
     async def main() -> None:
         try:
-            caller = await _GRPCCaller().open(address)
+            caller = await cls().open(address)
         except Exception as exc:
             conn.send(("error", f"connecting: {type(exc).__name__}: {exc}"))
             return
@@ -118,7 +122,13 @@ def turn_taker_main(conn: Any, address: str, cpu: int | None) -> None:
             await caller.close()
 
     with contextlib.suppress(EOFError, OSError):
-        _run_loop("grpc-peer", main)
+        _run_loop(_peer_kind(kind), main)
+
+
+def _peer_kind(other: str) -> str:
+    """The server kind of a pair's peer: grpc.aio on uvloop ("grpc-peer", as
+    the RPC), or the ceiling's own server."""
+    return "grpc-peer" if other == "grpc" else other
 
 
 
@@ -235,7 +245,7 @@ async def _measure_pair(callers: dict[str, _Caller], plan: Plan) -> dict[str, An
 def client_main(done: Any, address: Any, variant: Variant, plan: Plan,
                 profile: str | None, only: str | None, cpu: int | None = None,
                 peer: Any = None) -> None:
-    """``peer``: the pipe to the turn taker of a pair with grpc.aio."""
+    """``peer``: the pipe to the turn taker of a pair with a peer (``PEERS``)."""
     _pin(cpu)
 
     async def main() -> dict[str, Any]:
@@ -307,17 +317,18 @@ def run_variant(variant: Variant, plan: Plan, timeout: float, *,
     loopers = busy_loopers(ctx, timeout) if busy else []
     try:
         peer = None
-        if variant.kind == "pair-grpc":
-            # The RPC and grpc.aio each in processes of their own: grpc.aio's
+        if variant.kind in PEERS:
+            # The RPC and its peer each in processes of their own: grpc.aio's
             # threads beside the RPC in one process slowed the RPC's echo
             # right after a gRPC echo by about a fifth (64 MiB over ucx://).
+            other = PAIRED[variant.kind]
             rpc_address = serve(dataclasses.replace(variant, kind="rpc"), srv_prof)
-            grpc_address = serve(Variant(variant.name, "grpc-peer", ""), None)
-            address = None if None in (rpc_address, grpc_address) else (
-                rpc_address, grpc_address)
+            other_address = serve(Variant(variant.name, _peer_kind(other), ""), None)
+            address = None if None in (rpc_address, other_address) else (
+                rpc_address, other_address)
             if address is not None:
                 peer, theirs = ctx.Pipe()
-                start(turn_taker_main, theirs, grpc_address, cli_cpu)
+                start(turn_taker_main, theirs, other_address, cli_cpu, other)
                 theirs.close()  # the child has its own: its recv() ends with the client
         else:
             address = serve(variant, srv_prof)

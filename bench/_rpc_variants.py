@@ -59,7 +59,8 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    # "rpc", "raw", "grpc", "floor", "socket", "ucxx", "pair" or "pair-grpc"
+    # "rpc", "raw", "grpc", "floor", "socket", "ucxx", "pair", or "pair-" and the
+    # kind of a peer in processes of its own ("pair-grpc", "pair-socket", "pair-ucxx")
     kind: str
     url: str  # the server's listen URL ("" for the others)
 
@@ -87,11 +88,17 @@ VARIANTS = [
     Variant("paired ucx://", "pair", "ucx://127.0.0.1:0"),
     Variant("paired tcp:// and grpc.aio", "pair-grpc", "tcp://127.0.0.1:0"),
     Variant("paired ucx:// and grpc.aio", "pair-grpc", "ucx://127.0.0.1:0"),
+    Variant("paired tcp:// and bare socket", "pair-socket", "tcp://127.0.0.1:0"),
+    Variant("paired ucx:// and raw ucxx", "pair-ucxx", "ucx://127.0.0.1:0"),
 ]
 #: The kinds without call ids: one call in flight at a time.
 ONE_AT_A_TIME = ("raw", "socket", "ucxx")
-#: The variant kinds that take turns between two servers in one process.
-PAIRED = {"pair": "raw", "pair-grpc": "grpc"}
+#: The paired variant kinds, each with the side its RPC takes turns with: its raw
+#: transport (both served from one process), or a peer in a server process
+#: and a client process of its own (``PEERS``).
+PAIRED = {"pair": "raw", "pair-grpc": "grpc", "pair-socket": "socket", "pair-ucxx": "ucxx"}
+#: The paired kinds whose other side is such a peer.
+PEERS = ("pair-grpc", "pair-socket", "pair-ucxx")
 #: The kinds whose calls/s with 64 in flight run again in pairs of their own,
 #: server and client on one CPU and on two different CPUs (see
 #: ``write_results``); with --pin only on one (everything else is on two).
