@@ -291,7 +291,9 @@ def paired_section(rows: dict[str, dict[str, Any] | str], pairs: list[str],
         else:
             how += (" These are the ceilings of issue 22's large-echo targets, measured "
                     "against the RPC at the same moments; the unpaired table above has each "
-                    "on its own.")
+                    "on its own. Their tiny calls alternate with the other pair's too, so "
+                    "each finds its server asleep: those latencies run higher than unpaired, "
+                    "the RPC's most, and the latency targets read the unpaired runs.")
     other = name_of
     out = ["", f"## RPC against {against}, paired", "",
            how + f" Latency: the median over {plan.latency_calls:,} turns each; bandwidth: as "
