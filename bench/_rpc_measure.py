@@ -51,9 +51,9 @@ def server_main(ready: Any, stop: Any, variant: Variant, profile: str | None,
 
 class _TurnTaker(_Caller):
     """A caller in a process of its own (``turn_taker_main``), one turn per
-    request over a pipe, timed there: the pair's other client, where sharing
-    the RPC client's process would slow one of the two (grpc.aio's threads;
-    raw ucxx's own UCX worker and progress)."""
+    request over a pipe, timed there: the pair's other client, in a process
+    of its own as its users run it (grpc.aio's threads in the RPC client's
+    process slowed the RPC)."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
