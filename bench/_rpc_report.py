@@ -281,8 +281,8 @@ def paired_section(rows: dict[str, dict[str, Any] | str], pairs: list[str],
                "of their own, and the two clients take turns, call by call and echo by echo "
                f"(who goes first alternates; the RPC's client hands the {name_of} client its "
                "turns over a pipe, and each client times its own calls), so that both see "
-               "the same moment of this shared host; the two servers share a placement, and "
-               "so do the two clients (pinned alike with `--pin`).")
+               "the same moment of this shared host (with `--pin` the two servers share a "
+               "CPU, and so do the two clients).")
         if other == "grpc":
             how += (" In one process pair, grpc.aio's threads slowed the RPC's echo right "
                     "after a gRPC echo by about a fifth (64 MiB over ucx://). Both on uvloop "
@@ -294,13 +294,12 @@ def paired_section(rows: dict[str, dict[str, Any] | str], pairs: list[str],
                     "on its own. Their tiny calls alternate with the other pair's too, so "
                     "each finds its server asleep: those latencies run higher than unpaired, "
                     "the RPC's most, and the latency targets read the unpaired runs.")
-    other = name_of
     out = ["", f"## RPC against {against}, paired", "",
            how + f" Latency: the median over {plan.latency_calls:,} turns each; bandwidth: as "
            "above. A ratio is the median over the rounds of each round's ratio (min to max "
            "in brackets); the targets use these ratios.", "",
-           f"| variant | tiny p50, RPC / {other} (µs) | RPC ÷ {other} | "
-           + " | ".join(f"{s // MiB} MiB, RPC / {other} (GB/s) | RPC ÷ {other}"
+           f"| variant | tiny p50, RPC / {name_of} (µs) | RPC ÷ {name_of} | "
+           + " | ".join(f"{s // MiB} MiB, RPC / {name_of} (GB/s) | RPC ÷ {name_of}"
                         for s in plan.sizes) + " |",
            "|---|---:|---:|" + "---:|---:|" * len(plan.sizes)]
 
@@ -310,7 +309,7 @@ def paired_section(rows: dict[str, dict[str, Any] | str], pairs: list[str],
         return f" ({fmt(min(values))} to {fmt(max(values))})"
 
     def share(value: float) -> str:
-        return f"{value:.1f}x" if other == "grpc.aio" else f"{100 * value:.0f}%"
+        return f"{value:.1f}x" if other == "grpc" else f"{100 * value:.0f}%"
 
     for name in pairs:
         row = rows[name]
