@@ -261,16 +261,17 @@ def targets(rows: dict[str, dict[str, Any] | str], sizes: tuple[int, ...],
     return out
 
 
-#: How the paired tables name the side the RPC takes turns with (``PAIRED``).
-PAIR_NAMES = {"raw": "raw", "grpc": "grpc.aio", "socket": "bare socket", "ucxx": "raw ucxx"}
+#: How the paired tables name the side the RPC takes turns with (``PAIRED``):
+#: in their columns, and in their heading.
+PAIR_NAMES = {"raw": ("raw", "its raw transport"), "grpc": ("grpc.aio", "grpc.aio"),
+              "socket": ("bare socket", "the bare blocking socket"),
+              "ucxx": ("raw ucxx", "raw ucxx")}
 
 
 def paired_section(rows: dict[str, dict[str, Any] | str], pairs: list[str],
                    plan: Plan, other: str) -> list[str]:
     """The table of the paired variants against ``other`` (a value of ``PAIRED``)."""
-    name_of = PAIR_NAMES[other]
-    against = {"raw": "its raw transport", "grpc": "grpc.aio",
-               "socket": "the bare blocking socket", "ucxx": "raw ucxx"}[other]
+    name_of, against = PAIR_NAMES[other]
     if other == "raw":
         how = ("One server process hosts the RPC echo and the raw echo side by side; one "
                "client process takes turns between them, call by call and echo by echo "

@@ -119,8 +119,9 @@ def _average(buffer: torch.Tensor, group: Group, *, algorithm: Algorithm,
 
 
 def _on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in host memory: itself on the CPU, else a copy there."""
-    return tensor.detach() if tensor.device.type == "cpu" else tensor.detach().cpu()
+    """``tensor`` in host memory: itself on the CPU (``cpu()`` copies only
+    from a device), else a copy there."""
+    return tensor.detach().cpu()
 
 
 async def _reduce_on_host(compressed: CompressedAllreduce, index: int, buffer: torch.Tensor,
