@@ -53,6 +53,7 @@ cdef class CallsInFlight(MessageHandler):
     cdef readonly CallTable pending
     cdef Encoder _encoder
     cdef object _loop
+    cdef object _create_future  # the loop's create_future
     cdef object _on_other
     cdef unsigned long long _last_id
     cdef readonly list deadlines

@@ -201,6 +201,7 @@ cdef class CallsInFlight(MessageHandler):
         # Encodes the REQUESTs' arguments (see ``request``).
         self._encoder = Encoder() if encoder is None else encoder
         self._loop = loop
+        self._create_future = loop.create_future  # bound once: no lookup per call
         self._on_other = on_other
         self.deadlines = []
         self.in_order = DeadlineQueue()
@@ -285,7 +286,7 @@ cdef class CallsInFlight(MessageHandler):
             Unavailable: the connection is gone.
             EncodeError: the arguments cannot be encoded.
         """
-        cdef UnaryCall call = UnaryCall.waiting_on(self._loop.create_future(),
+        cdef UnaryCall call = UnaryCall.waiting_on(self._create_future(),
                                                    method not in self._unary)
         call.send(_REQUEST)
         call.call_id = self.request(driver, method, deadline, now, -1, args, kwargs, call,

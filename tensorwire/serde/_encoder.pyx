@@ -556,6 +556,8 @@ cdef class Encoder:
     cdef int _pack_dict(self, dict d, Py_ssize_t depth) except -1:
         self._check_depth(depth)
         self._put_length(len(d), 0x80, 16, 0, 0xDE, 0xDF)
+        if not d:
+            return 0  # every call's kwargs, mostly: no items to walk
         for k, v in d.items():
             tk = type(k)
             try:
