@@ -26,6 +26,7 @@ MODULES: tuple[str, ...] = (
     "tensorwire.rpc._client_core",
     "tensorwire.rpc._dispatch",
     "tensorwire.rpc._driver_core",
+    "tensorwire.rpc._flush_gate",
     "tensorwire.rpc._slots",
     "tensorwire.rpc._streams",
     "tensorwire.rpc._wire",

@@ -4,6 +4,7 @@
 # message reaches them by a C call). Described in _driver_core.pyx.
 
 from ..transports._receiver cimport MessageReceiver
+from ._flush_gate cimport FlushGate
 
 
 cdef class MessageHandler:
@@ -33,6 +34,8 @@ cdef class DriverCore(MessageReceiver):
     cdef public object _turn
     # Write a turn's first message at once (see post_frames()).
     cdef public bint _eager
+    # Whether a long turn's batches go as they fill (see post_frames()).
+    cdef public FlushGate flush_gate
     # Backpressure (see _sent): bytes posted and not yet written, those of
     # them in the outbox, and the bound with its low-water mark.
     cdef public Py_ssize_t _unsent

@@ -7,6 +7,7 @@ from typing import Any
 from ..errors import TensorwireError, Unavailable
 from ..transports import Connection
 from ..transports._receiver import MessageReceiver
+from ._flush_gate import FlushGate
 from .protocol import Message
 
 BATCH: int
@@ -31,6 +32,7 @@ class DriverCore(MessageReceiver):
     _writing_flushed: asyncio.Future[None] | None
     _turn: asyncio.Handle | None
     _eager: bool
+    flush_gate: FlushGate
     _stamp_messages: bool
     _unsent: int
     _outbox_bytes: int

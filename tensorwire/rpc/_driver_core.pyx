@@ -13,6 +13,7 @@ server's ``RequestDispatch``, the client's ``CallsInFlight``).
 """
 
 from ..transports._receiver cimport MessageReceiver
+from ._flush_gate cimport FlushGate
 from ._wire cimport parse_binary
 
 import asyncio
@@ -27,7 +28,7 @@ from . import protocol
 logger = logging.getLogger("tensorwire.rpc._connection_driver")
 
 #: Messages posted in one loop turn are written together, this many at a time
-#: (see ``DriverCore.post_frames``).
+#: while the flush gate is open (see ``DriverCore.post_frames``).
 BATCH = 32
 
 cdef object _ndarray = np.ndarray
@@ -99,6 +100,7 @@ cdef class DriverCore(MessageReceiver):
         self._last_seen = self.loop.time()
         self._outbox = []
         self._eager = not conn.coalesces_sends
+        self.flush_gate = FlushGate()
         self._stamp_messages = not conn.stamps_messages
         self._high_water = max_unsent
         self._low_water = max_unsent // 4
@@ -121,7 +123,10 @@ cdef class DriverCore(MessageReceiver):
         at once, so that the peer starts on it while this side works on.
         While the transport cannot take more (a full socket), messages wait
         here, in order. Gathering a whole turn before writing anything made
-        the two ends take turns instead of working at the same time.
+        the two ends take turns instead of working at the same time on two
+        CPUs; on one CPU the early batch switches to the peer in the middle
+        of the turn instead, and then ``flush_gate`` (``_flush_gate``) holds
+        the batches of the next long turns to their end.
 
         Raises:
             Unavailable: the connection is gone.
@@ -144,7 +149,7 @@ cdef class DriverCore(MessageReceiver):
                 self._turn = self.loop.call_soon(self._end_turn)
                 if self._eager:
                     self._flush()
-            elif len(self._outbox) >= BATCH:
+            elif len(self._outbox) >= BATCH and self.flush_gate.early():
                 self._flush()
         return nbytes
 
@@ -171,6 +176,7 @@ cdef class DriverCore(MessageReceiver):
 
     def _end_turn(self):
         self._turn = None
+        self.flush_gate.turn_ended()
         if self._outbox and self._writing is None and self.error is None:
             self._flush()
 

@@ -1,0 +1,19 @@
+"""Stub of the compiled ``_flush_gate`` module (see _flush_gate.pyx)."""
+
+from collections.abc import Callable
+
+SKIP_FIRST: int
+SKIP_MAX: int
+
+def involuntary_switches() -> int: ...
+
+class FlushGate:
+    """Whether a long turn sends its batches early."""
+
+    @property
+    def switched(self) -> int: ...
+    @property
+    def held(self) -> int: ...
+    def __init__(self, switches: Callable[[], int] | None = None) -> None: ...
+    def early(self) -> bool: ...
+    def turn_ended(self) -> None: ...

@@ -1,0 +1,113 @@
+# cython: language_level=3
+"""Whether a connection's driver hands a long turn's output to the
+transport in batches as it grows, or whole at the end of the turn:
+``FlushGate``, compiled (``DriverCore.post_frames`` asks it for every
+message past a batch).
+
+A batch sent while the turn goes on lets the peer start on it while this
+side works on the rest, when the two run at the same time (on two CPUs,
+whole turns made the two ends take turns instead). Where the peer shares
+this side's CPU, the batch instead wakes it onto that CPU: the kernel
+switches to the peer in the middle of our turn, it answers part of the
+turn, and the two ends take twice the context switches and system calls
+for the same calls. The kernel says which happened: a thread taken off its
+CPU while it still had work counts an involuntary context switch
+(``getrusage(RUSAGE_THREAD)``, ``ru_nivcsw``). A turn that was switched
+out after its early batch shuts the early batches of the next long turns,
+as a failed spin window shuts the next ones (``transports._spin_gate``):
+``SKIP_FIRST`` long turns go whole, twice as many after each further
+switched turn (at most ``SKIP_MAX``), and a turn whose early batch cost no
+switch opens them again. A thread switched out for any other reason (a
+busy host) shuts them too: where the CPUs are what is scarce, fewer and
+larger writes are the cheaper way. Where the system does not count the
+switches per thread, every long turn sends its batches early.
+"""
+
+cdef extern from *:
+    """
+    #include <sys/resource.h>
+
+    /* This thread's involuntary context switches so far; -1 where the
+       system does not count them per thread. */
+    static long tw_involuntary_switches(void) {
+    #ifdef RUSAGE_THREAD
+        struct rusage usage;
+        if (getrusage(RUSAGE_THREAD, &usage) == 0)
+            return usage.ru_nivcsw;
+    #endif
+        return -1;
+    }
+    """
+    long tw_involuntary_switches() nogil
+
+
+#: After a long turn was switched out following its early batch, this many
+#: long turns go whole, doubling (up to SKIP_MAX) while it recurs.
+SKIP_FIRST = 2
+SKIP_MAX = 64
+cdef int _SKIP_FIRST = SKIP_FIRST
+cdef int _SKIP_MAX = SKIP_MAX
+
+
+def involuntary_switches():
+    """This thread's involuntary context switches so far; -1 where the
+    system does not count them per thread."""
+    return tw_involuntary_switches()
+
+
+cdef class FlushGate:
+    """Whether a long turn sends its batches early (see the module).
+
+    :meth:`early` is asked for each message once a batch is waiting in the
+    turn, :meth:`turn_ended` at the end of every turn that posted.
+
+    Args:
+        switches: what counts the thread's involuntary context switches
+            (``involuntary_switches``, read in C, unless a test gives its own).
+    """
+
+    # Its fields are declared in _flush_gate.pxd.
+
+    def __init__(self, switches=None):
+        self._switches = switches
+        self.switched = 0
+        self.held = 0
+        self._sent_early = False
+        self._held = False
+        self._mark = -1
+        self._skip = 0
+        self._skipping = 0
+
+    cdef long _count(self) except? -2:
+        if self._switches is None:
+            return tw_involuntary_switches()
+        return self._switches()
+
+    cpdef bint early(self) except -1:
+        """Whether the batch waiting in this turn goes now."""
+        if self._held:
+            return False
+        if not self._sent_early:  # the turn's first batch
+            if self._skip:
+                self._held = True
+                self.held += 1
+                return False
+            self._sent_early = True
+            self._mark = self._count()
+        return True
+
+    cpdef void turn_ended(self) except *:
+        """The turn is over: was it switched out after its early batch?"""
+        if self._held:
+            self._held = False
+            self._skip -= 1
+            return
+        if not self._sent_early:
+            return  # no batch went early: nothing learnt
+        self._sent_early = False
+        if self._mark >= 0 and self._count() > self._mark:
+            self.switched += 1
+            self._skipping = min(max(2 * self._skipping, _SKIP_FIRST), _SKIP_MAX)
+            self._skip = self._skipping
+        else:
+            self._skipping = 0
