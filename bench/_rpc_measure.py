@@ -9,9 +9,10 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
+import signal
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -206,22 +207,64 @@ async def _measure(caller: _Caller, variant: Variant, plan: Plan,
     return out
 
 
-async def _measure_pair(callers: dict[str, _Caller], plan: Plan) -> dict[str, Any]:
+class _Servers:
+    """The servers of a pair's two sides (``{side: pid}``), of which only
+    the one whose side takes the turn runs: the other is stopped
+    (``SIGSTOP``) until its side's turn comes. raw ucxx's blocking mode
+    polls while it waits for the next message (its idle server took 2.00 s
+    of CPU in 2 s), and running beside the RPC's turns that cost the RPC a
+    CPU of this 2-core host: its paired 1 MiB echo read 38% of raw ucxx's,
+    where each run alone gave about the same bandwidth."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.running: str | None = None
+
+    def turn(self, side: str) -> None:
+        """Let ``side``'s server run and stop the others (from the next
+        turn on: the signals go before the turn is timed)."""
+        if side == self.running or side not in self.pids:
+            return
+        os.kill(self.pids[side], signal.SIGCONT)
+        for other, pid in self.pids.items():
+            if other != side:
+                os.kill(pid, signal.SIGSTOP)
+        self.running = side
+
+
+def continue_all(pids: Iterable[int]) -> None:
+    """Every one of ``pids`` running again (stopped or not; gone is fine)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+async def _measure_pair(callers: dict[str, _Caller], plan: Plan,
+                        servers: _Servers) -> dict[str, Any]:
     """Tiny-call latency and echo bandwidth of the RPC and of its raw
-    transport, taking turns call by call (who goes first alternates too)."""
+    transport, taking turns call by call (who goes first alternates too);
+    the server of the side whose turn it is not is stopped (``_Servers``)."""
     out: dict[str, Any] = {"errors": []}
     names = list(callers)
 
     def turns(i: int) -> list[str]:
         return names if i % 2 == 0 else names[::-1]
 
+    async def tiny(name: str) -> float:
+        servers.turn(name)
+        return await callers[name].time_tiny()
+
+    async def echo(name: str, arr: np.ndarray[Any, Any], check: bool = False) -> float:
+        servers.turn(name)
+        return await callers[name].time_echo(arr, check=check)
+
     for _ in range(plan.warmup_calls):
         for name in names:
-            await callers[name].time_tiny()
+            await tiny(name)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(plan.latency_calls):
         for name in turns(i):
-            samples[name].append(await callers[name].time_tiny())
+            samples[name].append(await tiny(name))
     for name in names:
         ordered = sorted(samples[name])
         out[name] = {"p50": ordered[len(ordered) // 2], "bw": {}}
@@ -230,10 +273,10 @@ async def _measure_pair(callers: dict[str, _Caller], plan: Plan) -> dict[str, An
         times: dict[str, list[float]] = {name: [] for name in names}
         try:
             for name in names:
-                await callers[name].time_echo(arr, check=True)  # warm-up
+                await echo(name, arr, check=True)  # warm-up
             for i in range(reps):
                 for name in turns(i):
-                    times[name].append(await callers[name].time_echo(arr))
+                    times[name].append(await echo(name, arr))
         except Exception as exc:  # one broken size does not hide the others
             out["errors"].append(f"{size // MiB} MiB echo: {type(exc).__name__}: {exc}")
             continue
@@ -244,8 +287,9 @@ async def _measure_pair(callers: dict[str, _Caller], plan: Plan) -> dict[str, An
 
 def client_main(done: Any, address: Any, variant: Variant, plan: Plan,
                 profile: str | None, only: str | None, cpu: int | None = None,
-                peer: Any = None) -> None:
-    """``peer``: the pipe to the turn taker of a pair with a peer (``PEERS``)."""
+                peer: Any = None, server_pids: dict[str, int] | None = None) -> None:
+    """``peer``: the pipe to the turn taker of a pair with a peer (``PEERS``);
+    ``server_pids``: that pair's servers by side (``_Servers``)."""
     _pin(cpu)
 
     async def main() -> dict[str, Any]:
@@ -255,9 +299,11 @@ def client_main(done: Any, address: Any, variant: Variant, plan: Plan,
                            else _TurnTaker(peer)).open(other_address)
             callers: dict[str, _Caller] = {"rpc": await _RPCCaller().open(rpc_address),
                                            PAIRED[variant.kind]: other}
+            servers = _Servers(server_pids or {})
             try:
-                return await _measure_pair(callers, plan)
+                return await _measure_pair(callers, plan, servers)
             finally:
+                continue_all(servers.pids.values())
                 for each in callers.values():
                     await each.close()
         cls = {"rpc": _RPCCaller, "raw": _RawCaller, "grpc": _GRPCCaller,
@@ -317,13 +363,16 @@ def run_variant(variant: Variant, plan: Plan, timeout: float, *,
     loopers = busy_loopers(ctx, timeout) if busy else []
     try:
         peer = None
+        server_pids: dict[str, int] = {}
         if variant.kind in PEERS:
             # The RPC and its peer each in processes of their own: grpc.aio's
             # threads beside the RPC in one process slowed the RPC's echo
             # right after a gRPC echo by about a fifth (64 MiB over ucx://).
             other = PAIRED[variant.kind]
             rpc_address = serve(dataclasses.replace(variant, kind="rpc"), srv_prof)
+            server_pids["rpc"] = procs[-1].pid
             other_address = serve(Variant(variant.name, _peer_kind(other), ""), None)
+            server_pids[other] = procs[-1].pid
             address = None if None in (rpc_address, other_address) else (
                 rpc_address, other_address)
             if address is not None:
@@ -336,7 +385,8 @@ def run_variant(variant: Variant, plan: Plan, timeout: float, *,
             codes = [p.exitcode for p in procs if p.exitcode is not None]
             return "the server did not start within 60 s" + (
                 f" (exit code {codes[0]})" if codes else "")
-        start(client_main, done, address, variant, plan, cli_prof, only, cli_cpu, peer)
+        start(client_main, done, address, variant, plan, cli_prof, only, cli_cpu, peer,
+              server_pids)
         if peer is not None:
             peer.close()
         try:
@@ -345,6 +395,9 @@ def run_variant(variant: Variant, plan: Plan, timeout: float, *,
             return f"timed out after {timeout:.0f} s"
         return value  # the results, or the error text
     finally:
+        # A pair's client stops the server whose side waits; a client that
+        # died may have left one stopped.
+        continue_all(proc.pid for proc in procs)
         for _ in range(servers):
             stop.put("stop")
         for proc in reversed(procs):
