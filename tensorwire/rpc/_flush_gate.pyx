@@ -23,6 +23,10 @@ larger writes are the cheaper way. Where the system does not count the
 switches per thread, every long turn sends its batches early.
 """
 
+from ..transports._spin_gate cimport longer_skip
+from ..transports._spin_gate import SPIN_SKIP_FIRST, SPIN_SKIP_MAX
+
+
 cdef extern from *:
     """
     #include <sys/resource.h>
@@ -42,11 +46,10 @@ cdef extern from *:
 
 
 #: After a long turn was switched out following its early batch, this many
-#: long turns go whole, doubling (up to SKIP_MAX) while it recurs.
-SKIP_FIRST = 2
-SKIP_MAX = 64
-cdef int _SKIP_FIRST = SKIP_FIRST
-cdef int _SKIP_MAX = SKIP_MAX
+#: long turns go whole, doubling (up to SKIP_MAX) while it recurs: the spin
+#: gate's backoff (``longer_skip``).
+SKIP_FIRST = SPIN_SKIP_FIRST
+SKIP_MAX = SPIN_SKIP_MAX
 
 
 def involuntary_switches():
@@ -107,7 +110,7 @@ cdef class FlushGate:
         self._sent_early = False
         if self._mark >= 0 and self._count() > self._mark:
             self.switched += 1
-            self._skipping = min(max(2 * self._skipping, _SKIP_FIRST), _SKIP_MAX)
+            self._skipping = longer_skip(self._skipping)
             self._skip = self._skipping
         else:
             self._skipping = 0

@@ -81,13 +81,20 @@ cdef class Progress:
         """How many requests are in flight."""
         return len(self._entries)
 
-    def watch(self, request, keep, callback):
+    def watch(self, request, keep, callback, bint answered_soon=False):
         """Call ``callback(request)`` on the loop once ``request`` completes.
 
         ``keep`` (the request's buffer) stays referenced until then: UCX may
         write into it until the request is complete or cancelled.
+        ``answered_soon``: the peer completes it as soon as it sees it (a
+        rendezvous send, a frame's receive), so the spin gate opens a window
+        now (``SpinGate.awaiting``) rather than only at the next completion:
+        each step of a large message's rendezvous would otherwise cost a
+        wake-up.
         """
         self._entries.append(_Entry(request, keep, callback))
+        if answered_soon:
+            self.gate.awaiting()
         self.kick()
 
     cpdef kick(self):

@@ -228,7 +228,8 @@ cdef class Receiving:
                     return
             else:
                 left += 1
-                rt.watch(request, array, self._on_frame)
+                # The sender's data follows our go-ahead at once.
+                rt.watch(request, array, self._on_frame, True)
         if left:
             self._busy = True
             self._frames_left = left

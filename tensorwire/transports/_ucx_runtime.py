@@ -83,8 +83,6 @@ _runtime: Runtime | None = None
 #: cancelled), so they are never freed, or reused by the buffer pool.
 _abandoned: list[Any] = []
 
-Callback = Callable[[Any], None]
-
 
 def applied_environment() -> dict[str, str] | None:
     """The ``UCX_*`` settings ucx:// applied to this process, if any yet."""
@@ -207,10 +205,11 @@ class Runtime:
         self.spin_gate = SpinGate(spin)
         self._progress = Progress(self.worker, loop, progress_mode == "polling",
                                   self.spin_gate, self._arm_watchdog, self._near_watchdog)
-        #: ``watch(request, keep, callback)``: call ``callback(request)`` on
-        #: the loop once ``request`` completes; ``keep`` (its buffer) stays
-        #: referenced until then (Progress.watch).
-        self.watch: Callable[[Any, Any, Callback], None] = self._progress.watch
+        #: ``watch(request, keep, callback, answered_soon=False)``: call
+        #: ``callback(request)`` on the loop once ``request`` completes;
+        #: ``keep`` (its buffer) stays referenced until then; a request the
+        #: peer answers at once opens a spin window (Progress.watch).
+        self.watch = self._progress.watch
         #: ``kick()``: progress the worker soon, after posting a request.
         self.kick: Callable[[], None] = self._progress.kick
         #: ``posted()``: a request was posted that UCX completed at once.

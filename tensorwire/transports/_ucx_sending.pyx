@@ -134,5 +134,7 @@ def post_messages(object conn, object messages):
     done = conn._loop.create_future()
     sends = _SendsInFlight(conn, rt, done, len(waiting))
     for request, array in waiting:
-        rt.watch(request, array, sends)
+        # Not completed at once: a rendezvous, which the receiver answers
+        # as soon as it sees it (then sends stay large, so spin for it).
+        rt.watch(request, array, sends, True)
     return done

@@ -13,7 +13,9 @@ import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from tensorwire.transports import connect
@@ -98,6 +100,72 @@ def test_an_answer_within_the_window_resets_the_backoff() -> None:
     assert completions_skipped(gate) == SPIN_SKIP_FIRST  # the shortest skip again
 
 
+def test_a_request_answered_at_once_opens_a_window() -> None:
+    clock = FakeClock()
+    gate = SpinGate(200e-6, clock)
+    gate.awaiting()  # a rendezvous send: the receiver answers when it sees it
+    clock.now = 150e-6
+    assert gate.spinning()
+    clock.now = 250e-6
+    assert not gate.spinning()  # no answer within the window: a failure
+    assert gate.failed == 1
+
+
+def posts_skipped(gate: SpinGate) -> int:
+    """Post requests answered at once until one opens a window; how many did not."""
+    skipped = 0
+    gate.awaiting()
+    while not gate.spinning():
+        skipped += 1
+        gate.awaiting()
+    return skipped
+
+
+def test_failed_windows_of_posts_shut_the_next_posts_longer_and_longer() -> None:
+    # Where the peer shares our CPU each step of every large message would
+    # open a window and take the CPU the peer needs.
+    clock = FakeClock()
+    gate = SpinGate(200e-6, clock)
+    gate.awaiting()
+    fail_window(gate, clock)
+    skipped = []
+    for _ in range(7):
+        skipped.append(posts_skipped(gate))
+        fail_window(gate, clock)
+    first = SPIN_SKIP_FIRST
+    assert skipped == [first, 2 * first, 4 * first, 8 * first, 16 * first,
+                       SPIN_SKIP_MAX, SPIN_SKIP_MAX]
+    assert posts_skipped(gate) == SPIN_SKIP_MAX  # a post's window opens,
+    gate.completed()  # and the answer comes within it
+    fail_window(gate, clock)  # (the completion's own window fails: counted apart)
+    assert posts_skipped(gate) == 0  # posts open windows again at once
+
+
+def test_the_two_kinds_of_window_back_off_apart() -> None:
+    # A completion's window also fails when the application has nothing
+    # more to send for a while (a step of training between messages); that
+    # says nothing about how soon a peer answers a rendezvous.
+    clock = FakeClock()
+    gate = SpinGate(200e-6, clock)
+    gate.completed()
+    fail_window(gate, clock)
+    for _ in range(3):
+        completions_skipped(gate)
+        fail_window(gate, clock)
+    # Completions' windows are shut for the next 8 * SPIN_SKIP_FIRST; a
+    # post's opens at once,
+    assert posts_skipped(gate) == 0
+    gate.completed()  # and gets its answer (a completion: one of those 16)
+    assert completions_skipped(gate) == 8 * SPIN_SKIP_FIRST - 1
+    assert gate.failed == 4
+
+
+def test_zero_window_never_spins_for_requests_answered_at_once() -> None:
+    gate = SpinGate(0, FakeClock())
+    gate.awaiting()
+    assert not gate.spinning()
+
+
 class FakeLoop:
     """Records what a Progress schedules instead of running it."""
 
@@ -139,6 +207,50 @@ def test_passes_from_the_descriptor_keep_one_pass_queued() -> None:
     loop.scheduled.pop()()  # the queued pass runs, and queues the next
     assert len(loop.scheduled) == 1
     assert progress.passes == 6
+
+
+def test_watching_a_request_answered_at_once_opens_the_window() -> None:
+    clock = FakeClock()
+    gate = SpinGate(1.0, clock)
+    progress = Progress(FakeWorker(), FakeLoop(), False, gate, lambda: None, lambda: None)
+    progress.watch(FakeRequest(), None, lambda request: None)
+    assert not gate.spinning()  # a header's receive: the next message, some time
+    progress.watch(FakeRequest(), None, lambda request: None, True)
+    assert gate.spinning()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+async def test_rendezvous_steps_are_watched_as_answered_at_once(tmp_path: Path) -> None:
+    """A large message's send (the receiver's go-ahead comes when it sees
+    it) and its frame's receive (the data follows our go-ahead) open a spin
+    window; a header's receive, which waits for whatever the peer sends
+    next, does not. Watched on a real connection to a peer process."""
+    size = 1 << 20  # over UCX's rendezvous threshold
+    watched: list[tuple[int, bool]] = []
+    async with ucx_echo_process(tmp_path) as address, await connect(address) as conn:
+        runtime = active_runtime()
+        assert runtime is not None
+        watch = runtime.watch
+
+        def recording(request: object, keep: Any, callback: Callable[[Any], None],
+                      answered_soon: bool = False) -> None:
+            watched.append((keep.nbytes, answered_soon))
+            watch(request, keep, callback, answered_soon)
+
+        runtime.watch = recording  # type: ignore[method-assign]
+        try:
+            data = np.arange(size, dtype=np.uint8)
+            for _ in range(3):
+                await conn.send([data])
+                (back,) = await asyncio.wait_for(conn.recv(), 10)
+                assert np.array_equal(np.asarray(back), data)
+        finally:
+            runtime.watch = watch  # type: ignore[method-assign]
+    large = [soon for nbytes, soon in watched if nbytes == size]
+    small = [soon for nbytes, soon in watched if nbytes < size]
+    # Each send waits for the peer process's go-ahead: never complete at once.
+    assert len(large) >= 3 and all(large), watched
+    assert not any(small), watched
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
