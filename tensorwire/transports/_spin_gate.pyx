@@ -14,7 +14,6 @@ the other's post as soon as the peer sees it.
 
 import time
 
-
 #: After a spin window passed with no answer, skip spinning after this many
 #: completions, doubling (up to SPIN_SKIP_MAX) while windows keep failing.
 SPIN_SKIP_FIRST = 2

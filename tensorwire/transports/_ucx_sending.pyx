@@ -134,7 +134,8 @@ def post_messages(object conn, object messages):
     done = conn._loop.create_future()
     sends = _SendsInFlight(conn, rt, done, len(waiting))
     for request, array in waiting:
-        # Not completed at once: a rendezvous, which the receiver answers
-        # as soon as it sees it (then sends stay large, so spin for it).
+        # Not completed at once: mostly a large frame's rendezvous, which
+        # the receiver answers as soon as it sees it (else a full send
+        # queue, which drains as soon as the peer reads).
         rt.watch(request, array, sends, True)
     return done
