@@ -284,9 +284,9 @@ def paired_section(rows: dict[str, dict[str, Any] | str], pairs: list[str],
                "turns over a pipe, and each client times its own calls), so that both see "
                "the same moment of this shared host (with `--pin` the two servers share a "
                "CPU, and so do the two clients). The server of the side whose turn it is "
-               "not is stopped (`SIGSTOP`) until its turn comes: raw ucxx's blocking mode "
-               "polls a CPU while it waits for the next message, and took it from the "
-               "RPC's turns.")
+               "not is stopped (`SIGSTOP`) until its turn comes, so that an idle server "
+               "takes no CPU from the other side's turns (raw ucxx's blocking mode polls "
+               "a CPU while it waits for its next message).")
         if other == "grpc":
             how += (" In one process pair, grpc.aio's threads slowed the RPC's echo right "
                     "after a gRPC echo by about a fifth (64 MiB over ucx://). Both on uvloop "
