@@ -61,43 +61,61 @@ def fail_window(gate: SpinGate, clock: FakeClock) -> None:
     assert not gate.spinning()
 
 
-def completions_skipped(gate: SpinGate) -> int:
-    """Complete requests until one opens a window; how many did not."""
-    skipped = 0
-    gate.completed()
+def skipped(open_window: Callable[[], None], gate: SpinGate) -> int:
+    """Call ``open_window`` (the gate's ``completed`` or ``awaiting``) until
+    one opens a window; how many did not."""
+    count = 0
+    open_window()
     while not gate.spinning():
-        skipped += 1
-        gate.completed()
-    return skipped
+        count += 1
+        open_window()
+    return count
 
 
-def test_failed_windows_shut_the_next_ones_longer_and_longer() -> None:
+def completions_skipped(gate: SpinGate) -> int:
+    return skipped(gate.completed, gate)
+
+
+def posts_skipped(gate: SpinGate) -> int:
+    return skipped(gate.awaiting, gate)
+
+
+# Completions' windows, and posts' (a rendezvous step: where the peer shares
+# our CPU each step of every large message would open one and take the CPU
+# the peer needs), each counted in their own kind.
+@pytest.mark.parametrize("kind", ["completed", "awaiting"])
+def test_failed_windows_shut_the_next_ones_longer_and_longer(kind: str) -> None:
     clock = FakeClock()
     gate = SpinGate(200e-6, clock)
-    gate.completed()
+    open_window = getattr(gate, kind)
+    open_window()
     fail_window(gate, clock)
-    skipped = []
+    runs = []
     for _ in range(7):
-        skipped.append(completions_skipped(gate))
+        runs.append(skipped(open_window, gate))
         fail_window(gate, clock)
     first = SPIN_SKIP_FIRST
-    assert skipped == [first, 2 * first, 4 * first, 8 * first, 16 * first,
-                       SPIN_SKIP_MAX, SPIN_SKIP_MAX]
+    assert runs == [first, 2 * first, 4 * first, 8 * first, 16 * first,
+                    SPIN_SKIP_MAX, SPIN_SKIP_MAX]
     assert gate.failed == 8
 
 
-def test_an_answer_within_the_window_resets_the_backoff() -> None:
+# After the answer, the completion's own window fails: completions start
+# their backoff over at its shortest skip; posts, counted apart, skip none.
+@pytest.mark.parametrize(("kind", "after"), [("completed", SPIN_SKIP_FIRST), ("awaiting", 0)])
+def test_an_answer_within_the_window_resets_the_backoff(kind: str, after: int) -> None:
     clock = FakeClock()
     gate = SpinGate(200e-6, clock)
-    gate.completed()
+    open_window = getattr(gate, kind)
+    open_window()
     fail_window(gate, clock)
     for _ in range(3):
-        completions_skipped(gate)
+        skipped(open_window, gate)
         fail_window(gate, clock)
-    assert completions_skipped(gate) == 16 * SPIN_SKIP_FIRST // 2
-    gate.completed()  # the answer came within the open window
-    fail_window(gate, clock)  # and the next window fails
-    assert completions_skipped(gate) == SPIN_SKIP_FIRST  # the shortest skip again
+    assert skipped(open_window, gate) == 16 * SPIN_SKIP_FIRST // 2  # a window opens,
+    gate.completed()  # and the answer comes within it
+    fail_window(gate, clock)
+    assert skipped(open_window, gate) == after
 
 
 def test_a_request_answered_at_once_opens_a_window() -> None:
@@ -109,36 +127,6 @@ def test_a_request_answered_at_once_opens_a_window() -> None:
     clock.now = 250e-6
     assert not gate.spinning()  # no answer within the window: a failure
     assert gate.failed == 1
-
-
-def posts_skipped(gate: SpinGate) -> int:
-    """Post requests answered at once until one opens a window; how many did not."""
-    skipped = 0
-    gate.awaiting()
-    while not gate.spinning():
-        skipped += 1
-        gate.awaiting()
-    return skipped
-
-
-def test_failed_windows_of_posts_shut_the_next_posts_longer_and_longer() -> None:
-    # Where the peer shares our CPU each step of every large message would
-    # open a window and take the CPU the peer needs.
-    clock = FakeClock()
-    gate = SpinGate(200e-6, clock)
-    gate.awaiting()
-    fail_window(gate, clock)
-    skipped = []
-    for _ in range(7):
-        skipped.append(posts_skipped(gate))
-        fail_window(gate, clock)
-    first = SPIN_SKIP_FIRST
-    assert skipped == [first, 2 * first, 4 * first, 8 * first, 16 * first,
-                       SPIN_SKIP_MAX, SPIN_SKIP_MAX]
-    assert posts_skipped(gate) == SPIN_SKIP_MAX  # a post's window opens,
-    gate.completed()  # and the answer comes within it
-    fail_window(gate, clock)  # (the completion's own window fails: counted apart)
-    assert posts_skipped(gate) == 0  # posts open windows again at once
 
 
 def test_the_two_kinds_of_window_back_off_apart() -> None:
