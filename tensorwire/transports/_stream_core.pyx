@@ -183,9 +183,22 @@ cdef class StreamCore:
             if n < size or left <= 0:
                 # The socket is most likely drained (skip the recv() that
                 # would only say EAGAIN), or this turn's share is read.
-                if not self._after_read():
+                if not self._after_read() and not (n < size and self._awaits_recv()):
                     self._pause_reading()
                 return
+
+    cdef bint _awaits_recv(self) except -1:
+        """Reading stopped only because the next message waits for a recv()
+        to allocate it (a given allocator: no read-ahead). Once the socket
+        is drained the reader may stay registered: it fires again only when
+        more bytes come, and then pauses (the check at the top of
+        ``_read_socket``). A consumer that posts its recv() just after the
+        message came, as a collective's exchange does, so costs no pause
+        and resume of the socket, two system calls each way."""
+        reader = self._reader
+        return (self._error is None and self._receiver is None and not reader.paused
+                and not reader.events and reader.frames_announced is not None
+                and not self._queue.waiters)
 
     cdef void _keep_polling(self) except *:
         """Data arrived: poll for the next while the spin gate's window is

@@ -336,6 +336,77 @@ async def test_a_message_runs_no_python_code_of_the_transport() -> None:
     assert sorted(set(called)) == []
 
 
+async def _until(condition: Any, what: str, seconds: float = 10.0) -> None:
+    """Wait (polling the loop) until ``condition()`` holds."""
+    try:
+        async with asyncio.timeout(seconds):
+            while not condition():
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"no {what} within {seconds} s") from None
+
+
+async def test_a_message_waiting_for_its_recv_leaves_the_drained_socket_registered() -> None:
+    # A receiver with its own allocator (the collectives' links) posts its
+    # recv() just after the peer's message came: the transport cannot
+    # allocate that message before, but once the socket is drained it keeps
+    # watching it, instead of a pause and a resume (two system calls and a
+    # loop watcher each way) per message.
+    size = 4096
+    async with echo_server() as listener, await connect(listener.address) as conn:
+        pauses: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_name == "_pause_reading":
+                pauses.append(frame.f_code.co_filename)
+
+        # A first round trip whose recv() gives an allocator: no read-ahead
+        # from now on.
+        await conn.send([b"start"])
+        await asyncio.wait_for(conn.recv(allocator=lambda info: bytearray(info.nbytes)), 10)
+        for i in range(5):
+            message = pattern(size, i)
+            before = conn.stats()["bytes_received"]
+            sys.setprofile(profile)
+            try:
+                await conn.send([message])
+                await _until(lambda: conn.stats()["bytes_received"] >= before + size,
+                             "the echo read")
+                target = np.empty(size, np.uint8)
+                (frame,) = await asyncio.wait_for(
+                    conn.recv(allocator=lambda info: target), 10)  # noqa: B023
+            finally:
+                sys.setprofile(None)
+            assert frame is target
+            assert np.array_equal(target, message)
+        assert pauses == []  # so no resume had to register the socket again
+
+
+async def test_more_bytes_for_a_message_still_waiting_for_its_recv_pause_reading() -> None:
+    # The bound on what a consumer that does not call recv() holds: once
+    # the first message waits for its allocation, the next bytes stay in
+    # the socket (reading pauses) until recv() asks for it.
+    size = 4096
+    async with echo_server() as listener, await connect(listener.address) as conn:
+        first, second = pattern(size, 1), pattern(size, 2)
+        # A first round trip whose recv() gives an allocator: no read-ahead
+        # from now on.
+        await conn.send([b"start"])
+        await asyncio.wait_for(conn.recv(allocator=lambda info: bytearray(info.nbytes)), 10)
+        start = conn.stats()["bytes_received"]
+        await conn.send([first])
+        await _until(lambda: conn.stats()["bytes_received"] >= start + size, "the first echo read")
+        read = conn.stats()["bytes_received"]
+        await conn.send([second])
+        await _until(lambda: not conn._reading, "reading paused")  # type: ignore[attr-defined]
+        assert conn.stats()["bytes_received"] == read  # the second is still in the socket
+        targets = [np.empty(size, np.uint8), np.empty(size, np.uint8)]
+        for target, sent in zip(targets, (first, second), strict=True):
+            (frame,) = await asyncio.wait_for(conn.recv(allocator=lambda info: target), 10)  # noqa: B023
+            assert frame is target
+            assert np.array_equal(target, sent)
+
+
 async def test_a_batch_of_more_buffers_than_one_sendmsg_takes_arrives_in_order() -> None:
     # 1500 messages are 3000 buffers: more than IOV_MAX (1024) per sendmsg.
     messages = [[f"m{i}".encode()] for i in range(1500)]
