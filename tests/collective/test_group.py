@@ -290,6 +290,30 @@ async def test_point_to_point_checks_tags_and_deadlines(trio: list[Group]) -> No
     np.testing.assert_array_equal(out, np.arange(4.0) + 1)
 
 
+async def test_each_operation_gets_its_own_deadline_from_its_start() -> None:
+    # One loop timer watches the deadlines (_oplog): the timer armed for an
+    # early operation fires while a later one runs, and must not cut that
+    # one short; an operation that never completes still times out in time.
+    groups, server = await make_groups(2, config=GroupConfig(timeout=0.4, rendezvous_timeout=20))
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        xs = [np.ones(8) for _ in groups]
+        rounds = 0
+        while loop.time() - started < 1.5:  # several deadlines' worth of operations
+            await asyncio.gather(*(g.allreduce(x) for g, x in zip(groups, xs, strict=True)))
+            rounds += 1
+            await asyncio.sleep(0.05)
+        assert all((x == 2.0 ** rounds).all() for x in xs)
+        alone = loop.time()
+        with pytest.raises(CollectiveTimeout, match=r"within 0\.4 s"):
+            await groups[0].allreduce(np.ones(8))  # rank 1 never comes
+        assert 0.35 < loop.time() - alone < 5
+    finally:
+        await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
+        await server.close(grace=0)
+
+
 async def test_cancelling_the_wait_does_not_withdraw_the_operation(trio: list[Group]) -> None:
     xs = [np.ones(100) for _ in trio]
     works = [g.allreduce(x) for g, x in zip(trio, xs, strict=True)]
