@@ -144,8 +144,10 @@ def report(args: argparse.Namespace, trees: dict[str, str], cores: dict[str, str
     command = "python bench/before_after.py" + (
         f" --rounds {args.rounds}" if args.rounds != 3 else "") + (
         f" --before {args.before}" if args.before != BEFORE else "")
+    title = ("The compiled core, before and after" if args.before == BEFORE
+             else f"Tree {trees['before']} against tree {trees['after']}")
     lines = [
-        "# The compiled core, before and after",
+        f"# {title}",
         "",
         f"Command: `{command}` (took {took:.0f} s)",
         "",
