@@ -188,13 +188,15 @@ cdef class StreamCore:
                 return
 
     cdef bint _awaits_recv(self) except -1:
-        """Reading stopped only because the next message waits for a recv()
-        to allocate it (a given allocator: no read-ahead). Once the socket
-        is drained the reader may stay registered: it fires again only when
+        """Reading stopped only because the next message waits for a recv() to
+        allocate it (a given allocator: no read-ahead). Once the socket is
+        drained the reader may stay registered: it fires again only when
         more bytes come, and then pauses (the check at the top of
         ``_read_socket``). A consumer that posts its recv() just after the
-        message came, as a collective's exchange does, so costs no pause
-        and resume of the socket, two system calls each way."""
+        message came, as a collective's exchange does, so costs no pause and
+        resume of the socket (the loop's watcher stopped and started, with
+        their system calls: a small 2-rank allreduce, 8 B to 36 KB, made
+        about four fewer per operation and rank)."""
         reader = self._reader
         return (self._error is None and self._receiver is None and not reader.paused
                 and not reader.events and reader.frames_announced is not None

@@ -349,8 +349,8 @@ async def test_a_message_waiting_for_its_recv_leaves_the_drained_socket_register
     # A receiver with its own allocator (the collectives' links) posts its
     # recv() just after the peer's message came: the transport cannot
     # allocate that message before, but once the socket is drained it keeps
-    # watching it, instead of a pause and a resume (two system calls and a
-    # loop watcher each way) per message.
+    # watching it, instead of a pause and a resume (the loop's watcher
+    # removed and added again) per message.
     size = 4096
     async with echo_server() as listener, await connect(listener.address) as conn:
         pauses: list[str] = []
