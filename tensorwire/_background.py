@@ -142,8 +142,10 @@ class BackgroundLoop:
                 if closing is not None:
                     closing.close()
                 return
-            done = (asyncio.run_coroutine_threadsafe(closing, self.loop)
-                    if closing is not None else None)
+            done: concurrent.futures.Future[Any] | None = None
+            if closing is not None:
+                done = concurrent.futures.Future()
+                self.loop.call_soon_threadsafe(_start, self.loop, closing, done)
             self._closed = True
         try:
             if done is not None:
