@@ -33,6 +33,7 @@ __all__ = (
     "Compressor",
     "ErrorFeedback",
     "Int8",
+    "LinkFeedback",
     "NoCompression",
     "TopK",
     "compressor_for",
@@ -454,3 +455,53 @@ class ErrorFeedback:
                 self.residuals[key] = np.subtract(corrected, sent, out=corrected)
         payload["codec"] = compressor.name
         return payload
+
+
+class LinkFeedback:
+    """A worker's error feedback per link class (``"local"``, ``"remote"``:
+    each its own compressor from ``spec``, see :func:`compressor_for`), so
+    that each chunk's residual stays with the compressor of the shard it
+    lives on, also when the chunk moves to another shard."""
+
+    def __init__(self, spec: CompressionSpec) -> None:
+        self._spec = spec
+        #: The error feedback of each link class met so far.
+        self.by_link: dict[str, ErrorFeedback] = {}
+        #: Residuals of chunks that moved to a shard whose compressor keeps
+        #: none: added to the chunk's next gradient once.
+        self.carry: dict[str, Array] = {}
+
+    def of(self, link: str) -> ErrorFeedback:
+        """The error feedback of ``link``'s class."""
+        found = self.by_link.get(link)
+        if found is None:
+            found = self.by_link[link] = ErrorFeedback(compressor_for(self._spec, link=link))
+        return found
+
+    def compress(self, key: str, grad: Array, link: str) -> Payload:
+        """The payload of chunk ``key``'s gradient for a shard of ``link``'s
+        class, with the residual the chunk carried from its last shard."""
+        carried = self.carry.pop(key, None)
+        if carried is not None:
+            grad = grad + carried
+        return self.of(link).compress(key, grad)
+
+    def clear(self) -> None:
+        """Forget every residual (they belong to a layout that is gone)."""
+        self.by_link.clear()
+        self.carry.clear()
+
+    def moved(self, key: str, was: str, now: str) -> None:
+        """Chunk ``key`` moved from a shard of class ``was`` to one of
+        ``now``: its residual goes with it, to the new class's feedback,
+        or to ``carry`` when that compressor keeps none."""
+        if was == now or was not in self.by_link:
+            return
+        residual = self.by_link[was].residuals.pop(key, None)
+        if residual is None:
+            return
+        target = self.of(now)
+        if target.compressor.error_feedback:
+            target.residuals[key] = residual
+        else:
+            self.carry[key] = residual

@@ -17,10 +17,12 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError
+from ._arrays import array_module, like
 
 __all__ = (
     "Chunk",
@@ -28,6 +30,7 @@ __all__ = (
     "TensorSpec",
     "balance",
     "chunk_tensors",
+    "join_chunks",
     "place",
     "predicted_times",
     "relocate",
@@ -110,6 +113,20 @@ def chunk_tensors(specs: Iterable[TensorSpec], chunk_bytes: int) -> list[Chunk]:
             Chunk(spec.name, i, bounds[i], bounds[i + 1], itemsize) for i in range(count)
         )
     return chunks
+
+
+def join_chunks(spec: TensorSpec, chunks: Sequence[Chunk], values: Mapping[str, Any]) -> Any:
+    """Tensor ``spec`` from the values of its ``chunks`` (``chunk_tensors``
+    cut it so), by chunk key: a NumPy or CuPy array as the first chunk's
+    value is (where the shards keep the tensor), of the spec's shape."""
+    first = values[chunks[0].key]
+    xp = array_module(first)
+    if len(chunks) == 1:
+        return xp.asarray(first).reshape(spec.shape)
+    whole = xp.empty(spec.size, np.dtype(spec.dtype))
+    for chunk in chunks:
+        whole[chunk.start:chunk.stop] = like(values[chunk.key], whole)
+    return whole.reshape(spec.shape)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -30,9 +30,9 @@ from ..errors import (
     PlacementMoved,
 )
 from . import _rebalance, _reshard
-from ._arrays import array_module, like
+from ._arrays import array_module
 from ._arrivals import Arrivals
-from ._compress import CompressionSpec, ErrorFeedback, Payload, compressor_for
+from ._compress import CompressionSpec, LinkFeedback, Payload, compressor_for
 from ._consistency import Mode
 from ._links import ShardLinks
 from ._optim import Optimizer
@@ -41,6 +41,7 @@ from ._placement import (
     Placement,
     TensorSpec,
     chunk_tensors,
+    join_chunks,
     place,
 )
 from ._step import Step
@@ -165,12 +166,7 @@ class PSClient:
         self.config = config
         #: The compressor for shards on other hosts.
         self.compressor = compressor_for(config.compression, link="remote")
-        # One error feedback per link class, so each chunk's residual stays
-        # with the compressor of the shard it lives on.
-        self._feedback: dict[str, ErrorFeedback] = {}
-        #: Residuals of chunks that moved to a shard whose compressor keeps
-        #: none: added to the chunk's next gradient once.
-        self._carry: dict[str, Array] = {}
+        self._feedback = LinkFeedback(config.compression)
         self._host = socket.gethostname()
         self._specs: dict[str, TensorSpec] = {}
         self._rank: dict[str, int] = {}
@@ -243,13 +239,6 @@ class PSClient:
         host = self._shards.link(self.addresses[shard]).host
         return "local" if host == self._host else "remote"
 
-    def _feedback_of(self, link: str) -> ErrorFeedback:
-        found = self._feedback.get(link)
-        if found is None:
-            found = self._feedback[link] = ErrorFeedback(
-                compressor_for(self.config.compression, link=link))
-        return found
-
     def _use(self, addresses: list[str], placement: Placement, version: int) -> None:
         """Switch to a placement: batches, and each moving chunk's residual."""
         if self._placement is not None:
@@ -265,16 +254,8 @@ class PSClient:
         after = [self.link_class(s) for s in range(placement.num_shards)]
         for key, shard in placement.shard_of.items():
             was = old.get(key)
-            if was is None or was == after[shard] or was not in self._feedback:
-                continue
-            residual = self._feedback[was].residuals.pop(key, None)
-            if residual is None:
-                continue
-            target = self._feedback_of(after[shard])
-            if target.compressor.error_feedback:
-                target.residuals[key] = residual
-            else:
-                self._carry[key] = residual
+            if was is not None:
+                self._feedback.moved(key, was, after[shard])
 
     # -- operations -------------------------------------------------------------------
 
@@ -316,7 +297,6 @@ class PSClient:
         self._use(self.addresses, place(self._chunks, len(self.addresses)), 0)
         self._shards.seen.clear()
         self._shards.pushed.clear()
-        self._carry.clear()
         # Residuals of the compressors belong to the old layout.
         self._feedback.clear()
         logger.info("placed %d tensors as %d chunks on %d shards, imbalance %.3f",
@@ -330,7 +310,8 @@ class PSClient:
                 raise InvalidArgument(
                     f"{chunk.name!r}: the shards hold {value.dtype}, worker "
                     f"{self.worker} has {wanted}: the workers disagree on the model")
-        return self._assemble(got)
+        return {name: join_chunks(spec, self._chunks_of[name], got)
+                for name, spec in self._specs.items()}
 
     def push(self, grads: Mapping[str, Array]) -> asyncio.Task[None]:
         """Send this step's gradients; the task finishes when every shard took them.
@@ -456,7 +437,8 @@ class PSClient:
                 name = key.rpartition("#")[0]
                 left[name] -= 1
                 if left[name] == 0:
-                    arrivals._deliver(name, self._tensor(name, got))
+                    arrivals._deliver(name, join_chunks(self._specs[name],
+                                                        self._chunks_of[name], got))
 
         async def run() -> dict[str, Array]:
             with self._operation(method, clock):
@@ -606,15 +588,13 @@ class PSClient:
         payloads: dict[str, Payload] = {}
         for chunk in (c for name in flat for c in self._chunks_of[name]):
             grad = flat[chunk.name][chunk.start:chunk.stop]
-            carried = self._carry.pop(chunk.key, None)
-            if carried is not None:
-                grad = grad + carried
-            feedback = self._feedback_of(links[placement.shard_of[chunk.key]])
-            if feedback.compressor.name != "none" and array_module(grad) is not np:
+            link = links[placement.shard_of[chunk.key]]
+            compressor = self._feedback.of(link).compressor
+            if compressor.name != "none" and array_module(grad) is not np:
                 raise InvalidArgument(
-                    f"{chunk.name!r}: gradient compression ({feedback.compressor.name}) "
+                    f"{chunk.name!r}: gradient compression ({compressor.name}) "
                     "runs on host arrays; push CuPy gradients uncompressed")
-            payloads[chunk.key] = feedback.compress(chunk.key, grad)
+            payloads[chunk.key] = self._feedback.compress(chunk.key, grad, link)
         return payloads
 
     @contextlib.contextmanager
@@ -737,23 +717,4 @@ class PSClient:
             for key in keys:
                 shards.seen[key] = max(shards.seen.get(key, 0), read_at)
         return batch, result
-
-    def _tensor(self, name: str, got: Mapping[str, Any]) -> Array:
-        """Tensor ``name`` from its chunks' values."""
-        spec = self._specs[name]
-        chunks = self._chunks_of[name]
-        first = got[chunks[0].key]
-        xp = array_module(first)  # where the shards keep the tensor
-        if len(chunks) == 1:
-            one: Array = xp.asarray(first).reshape(spec.shape)
-            return one
-        whole = xp.empty(spec.size, np.dtype(spec.dtype))
-        for chunk in chunks:
-            whole[chunk.start:chunk.stop] = like(got[chunk.key], whole)
-        shaped: Array = whole.reshape(spec.shape)
-        return shaped
-
-    def _assemble(self, got: Mapping[str, Any]) -> dict[str, Array]:
-        """Tensors from the chunk values the shards sent back."""
-        return {name: self._tensor(name, got) for name in self._specs}
 

@@ -207,6 +207,33 @@ def test_lossless_compressors_keep_no_residual() -> None:
     assert feedback.residuals == {}
 
 
+def test_a_chunks_residual_follows_it_to_another_link_class() -> None:
+    from tensorwire.ps._compress import LinkFeedback
+
+    feedback = LinkFeedback({"local": "int8", "remote": "fp8"})
+    g = np.random.default_rng(2).standard_normal(400).astype(np.float32)
+    sent = decompress(feedback.compress("k", g, "remote"), 400, np.dtype(np.float32))
+    held = feedback.by_link["remote"].residuals["k"].copy()
+    np.testing.assert_allclose(sent + held, g, rtol=1e-5, atol=1e-6)
+    # To a class that keeps residuals: it continues there.
+    feedback.moved("k", "remote", "local")
+    assert "k" not in feedback.by_link["remote"].residuals
+    np.testing.assert_array_equal(feedback.by_link["local"].residuals["k"], held)
+    # To one that keeps none: added to the chunk's next gradient, once.
+    lossless = LinkFeedback({"local": None, "remote": "int8"})
+    lossless.compress("k", g, "remote")
+    held = lossless.by_link["remote"].residuals["k"].copy()
+    lossless.moved("k", "remote", "local")
+    zeros = np.zeros(400, np.float32)
+    first = decompress(lossless.compress("k", zeros, "local"), 400, np.dtype(np.float32))
+    np.testing.assert_array_equal(first, held)
+    second = decompress(lossless.compress("k", zeros, "local"), 400, np.dtype(np.float32))
+    np.testing.assert_array_equal(second, zeros)
+    lossless.moved("j", "local", "remote")  # nothing held: nothing moves
+    lossless.clear()
+    assert not lossless.by_link and not lossless.carry
+
+
 def test_a_custom_compressor_registers_and_decodes() -> None:
     class Halves(ps.Compressor):
         name: ClassVar[str] = "test-halves"

@@ -193,3 +193,21 @@ def test_predicted_times_refuse_bad_bandwidths() -> None:
         ps.predicted_times(old, [1.0])
     with pytest.raises(ConfigError):
         ps.balance(old, [1.0, 0.0])
+
+
+def test_join_chunks_puts_a_tensor_back_together_from_chunk_values_in_any_order() -> None:
+    from tensorwire.ps._placement import join_chunks
+
+    rng = np.random.default_rng(0)
+    arrays: dict[str, np.ndarray] = {"w": rng.standard_normal((30, 70)).astype(np.float32),
+                                     "b": rng.standard_normal(5).astype(np.float64)}
+    specs = [ps.TensorSpec.of(name, a) for name, a in arrays.items()]
+    chunks = ps.chunk_tensors(specs, 1_000)  # w: 8,400 bytes in 9 chunks; b whole
+    values = {c.key: arrays[c.name].reshape(-1)[c.start:c.stop].copy() for c in chunks}
+    shuffled = dict(random.Random(1).sample(sorted(values.items()), len(values)))
+    for spec in specs:
+        mine = [c for c in chunks if c.name == spec.name]
+        joined = join_chunks(spec, mine, shuffled)
+        assert joined.shape == spec.shape and joined.dtype == np.dtype(spec.dtype)
+        np.testing.assert_array_equal(joined, arrays[spec.name])
+    assert len([c for c in chunks if c.name == "w"]) > 1

@@ -462,15 +462,16 @@ async def test_compression_follows_each_shards_link_and_residuals_follow_chunks(
         grads = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in start.items()}
                  for _ in range(2)]
         await client.push(grads[0])
-        remote = client._feedback["remote"].residuals
+        remote = client._feedback.by_link["remote"].residuals
         on_far = {c.key for c in client.placement.on_shard(1)}
         assert set(remote) == on_far and any(np.abs(r).max() > 0 for r in remote.values())
         # Every chunk moves to the local shard, whose compressor keeps no
         # residual: each goes into its chunk's next gradient instead.
         await client.reshard([near])
-        assert not client._feedback["remote"].residuals and set(client._carry) == on_far
+        assert not client._feedback.by_link["remote"].residuals
+        assert set(client._feedback.carry) == on_far
         params = await client.push_pull(grads[1])
-        assert not client._carry
+        assert not client._feedback.carry
         # SGD with lr 1 (one async worker): the shards took exactly the sum
         # of the true gradients, whatever compression dropped on the way.
         for name, value in start.items():
