@@ -82,6 +82,9 @@ class _TurnTaker(_Caller):
     async def time_echo(self, arr: np.ndarray[Any, Any], *, check: bool = False) -> float:
         return await self._ask("echo", arr.nbytes, check)
 
+    async def calls_per_second(self, tasks: int, seconds: float) -> float:
+        return await self._ask("cps", tasks, seconds)
+
     async def close(self) -> None:
         self.conn.send(("stop",))
 
@@ -113,6 +116,9 @@ def turn_taker_main(conn: Any, address: str, cpu: int | None, kind: str) -> None
                             arrays.clear()  # one size at a time
                             arr = arrays[nbytes] = np.arange(nbytes // 4, dtype=np.float32)
                         elapsed = await caller.time_echo(arr, check=check)
+                    elif command[0] == "cps":
+                        _, tasks, seconds = command
+                        elapsed = await caller.calls_per_second(tasks, seconds)  # a rate
                     else:
                         return
                 except Exception as exc:
@@ -131,24 +137,6 @@ def _peer_kind(other: str) -> str:
     the RPC), or the ceiling's own server."""
     return "grpc-peer" if other == "grpc" else other
 
-
-
-async def _calls_per_second(tiny: Callable[[], Awaitable[Any]], tasks: int,
-                            seconds: float) -> float:
-    deadline = time.perf_counter() + seconds
-    done = [0] * tasks
-
-    async def worker(index: int) -> None:
-        clock = time.perf_counter
-        n = 0
-        while clock() < deadline:
-            await tiny()
-            n += 1
-        done[index] = n
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(tasks)))
-    return sum(done) / (time.perf_counter() - start)
 
 
 async def _measure(caller: _Caller, variant: Variant, plan: Plan,
@@ -176,10 +164,10 @@ async def _measure(caller: _Caller, variant: Variant, plan: Plan,
         out["p99"] = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
 
     async def cps1() -> None:
-        out["cps1"] = await _calls_per_second(caller.tiny, 1, plan.seconds)
+        out["cps1"] = await caller.calls_per_second(1, plan.seconds)
 
     async def cps64() -> None:
-        out["cps64"] = await _calls_per_second(caller.tiny, CONCURRENCY, plan.seconds)
+        out["cps64"] = await caller.calls_per_second(CONCURRENCY, plan.seconds)
 
     if only == "cps64":
         await section("64 in flight", cps64)
@@ -286,6 +274,28 @@ async def _measure_pair(callers: dict[str, _Caller], plan: Plan,
     return out
 
 
+async def _measure_pair_cps(callers: dict[str, _Caller], plan: Plan,
+                            servers: _Servers) -> dict[str, Any]:
+    """Calls/s with 64 in flight of the RPC and of the bare echo, taking
+    turns slice by slice (who goes first alternates), the idle side's server
+    stopped (``_Servers``); ``ratios``: each pair of slices' RPC over echo."""
+    names = list(callers)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:  # a slice each to warm up, not counted
+        servers.turn(name)
+        await callers[name].calls_per_second(CONCURRENCY, plan.slice_seconds)
+    for i in range(plan.slices):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            servers.turn(name)
+            rates[name].append(
+                await callers[name].calls_per_second(CONCURRENCY, plan.slice_seconds))
+    rpc, other = names
+    out: dict[str, Any] = {name: {"cps64": statistics.median(rates[name])} for name in names}
+    out["ratios"] = [a / b for a, b in zip(rates[rpc], rates[other], strict=True)]
+    out["errors"] = []
+    return out
+
+
 def client_main(done: Any, address: Any, variant: Variant, plan: Plan,
                 profile: str | None, only: str | None, cpu: int | None = None,
                 peer: Any = None, server_pids: dict[str, int] | None = None) -> None:
@@ -301,8 +311,9 @@ def client_main(done: Any, address: Any, variant: Variant, plan: Plan,
             callers: dict[str, _Caller] = {"rpc": await _RPCCaller().open(rpc_address),
                                            PAIRED[variant.kind]: other}
             servers = _Servers(server_pids or {})
+            measure = _measure_pair_cps if variant.kind == "pair-floor" else _measure_pair
             try:
-                return await _measure_pair(callers, plan, servers)
+                return await measure(callers, plan, servers)
             finally:
                 continue_all(servers.pids.values())
                 for each in callers.values():

@@ -26,6 +26,9 @@ RESULTS = Path(__file__).parent / "results" / "rpc.md"
 FLOOR = "bare Protocol echo (coalescing)"
 SOCKET = "bare blocking socket"
 UCXX = "raw ucxx (blocking mode)"
+#: The RPC's calls/s with 64 in flight taking turns with the bare echo's,
+#: all four processes on one CPU (its target reads this pair).
+PAIRED_ONE_CPU = "paired tcp:// and bare Protocol echo, one CPU"
 MiB = 1 << 20
 SIZES = [1 * MiB, 64 * MiB, 256 * MiB]
 TINY = 7  # the value a tiny RPC echoes
@@ -50,19 +53,27 @@ class Plan:
     # from round to round.
     reps: tuple[int, ...] = (200, 9, 5)
     sizes: tuple[int, ...] = tuple(SIZES)
+    # Calls/s with 64 in flight taking turns with the bare echo on one CPU
+    # ("pair-floor"): slices of this many seconds, this many per side.
+    slices: int = 16
+    slice_seconds: float = 0.25
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(warmup_calls=200, latency_calls=2000, seconds=1.0, reps=(40, 3, 2))
+        return cls(warmup_calls=200, latency_calls=2000, seconds=1.0, reps=(40, 3, 2),
+                   slices=6, slice_seconds=0.2)
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
     # "rpc", "raw", "grpc", "floor", "socket", "ucxx", "pair", or "pair-" and the
-    # kind of a peer in processes of its own ("pair-grpc", "pair-socket", "pair-ucxx")
+    # kind of a peer in processes of its own ("pair-grpc", "pair-socket",
+    # "pair-ucxx", "pair-floor")
     kind: str
     url: str  # the server's listen URL ("" for the others)
+    # A placement of its own (see ``placement``), whatever --pin says.
+    placed: str | None = None
 
     @property
     def multiplexed(self) -> bool:
@@ -90,15 +101,17 @@ VARIANTS = [
     Variant("paired ucx:// and grpc.aio", "pair-grpc", "ucx://127.0.0.1:0"),
     Variant("paired tcp:// and bare socket", "pair-socket", "tcp://127.0.0.1:0"),
     Variant("paired ucx:// and raw ucxx", "pair-ucxx", "ucx://127.0.0.1:0"),
+    Variant(PAIRED_ONE_CPU, "pair-floor", "tcp://127.0.0.1:0", placed="one"),
 ]
 #: The kinds without call ids: one call in flight at a time.
 ONE_AT_A_TIME = ("raw", "socket", "ucxx")
 #: The paired variant kinds, each with the side its RPC takes turns with: its raw
 #: transport (both served from one process), or a peer in a server process
 #: and a client process of its own (``PEERS``).
-PAIRED = {"pair": "raw", "pair-grpc": "grpc", "pair-socket": "socket", "pair-ucxx": "ucxx"}
+PAIRED = {"pair": "raw", "pair-grpc": "grpc", "pair-socket": "socket", "pair-ucxx": "ucxx",
+          "pair-floor": "floor"}
 #: The paired kinds whose other side is such a peer.
-PEERS = ("pair-grpc", "pair-socket", "pair-ucxx")
+PEERS = ("pair-grpc", "pair-socket", "pair-ucxx", "pair-floor")
 #: The kinds whose calls/s with 64 in flight run again in pairs of their own,
 #: server and client on one CPU and on two different CPUs (see
 #: ``write_results``); with --pin only on one (everything else is on two).
@@ -288,6 +301,23 @@ class _Caller:
         if check:
             _check_echo(arr, back)
         return elapsed
+
+    async def calls_per_second(self, tasks: int, seconds: float) -> float:
+        """Tiny calls per second with ``tasks`` tasks calling for ``seconds``."""
+        deadline = time.perf_counter() + seconds
+        done = [0] * tasks
+
+        async def worker(index: int) -> None:
+            clock = time.perf_counter
+            n = 0
+            while clock() < deadline:
+                await self.tiny()
+                n += 1
+            done[index] = n
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(tasks)))
+        return sum(done) / (time.perf_counter() - start)
 
 
 
