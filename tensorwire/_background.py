@@ -160,20 +160,43 @@ class BackgroundLoop:
 def _start(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
            future: concurrent.futures.Future[T]) -> None:
     """On the loop thread: run ``coro`` in a task that settles ``future``."""
-    if future.cancelled():  # cancelled before it could start
-        coro.close()
+    if _dropped(coro, future):
         return
     task = loop.create_task(_settle(coro, future))
     future.add_done_callback(functools.partial(_cancel_if_cancelled, loop, task))
 
 
+def _dropped(coro: Coroutine[Any, Any, Any], future: concurrent.futures.Future[Any]) -> bool:
+    """True, with ``coro`` closed unrun, when the caller has cancelled
+    ``future`` before ``coro`` began; ``future``'s waiters then hear of it."""
+    if not future.cancelled():
+        return False
+    coro.close()
+    _notify_cancelled(future)
+    return True
+
+
+def _notify_cancelled(future: concurrent.futures.Future[Any]) -> None:
+    """Tell the waiters of ``future`` (cancelled) that it is over:
+    ``concurrent.futures.wait()`` and ``as_completed()`` count a cancelled
+    future as done only from this call on (``cancel()`` alone wakes those
+    blocked in ``result()``), as ``asyncio.run_coroutine_threadsafe``
+    makes it."""
+    future.set_running_or_notify_cancel()
+
+
 async def _settle(coro: Coroutine[Any, Any, T], future: concurrent.futures.Future[T]) -> None:
     """Await ``coro`` and pass its outcome on to ``future`` (unless the
-    caller cancelled that first)."""
+    caller cancelled that first). A call cancelled after ``_start`` made
+    this task, but before the task's first step, never begins: the check
+    below runs before the task's cancel, which comes in a later turn."""
+    if _dropped(coro, future):
+        return
     try:
         result = await coro
     except asyncio.CancelledError:
         future.cancel()
+        _notify_cancelled(future)
         raise
     except BaseException as exc:
         if future.set_running_or_notify_cancel():

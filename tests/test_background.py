@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tensorwire._background import BackgroundLoop
+from tensorwire._background import CLOSE_WAIT, BackgroundLoop
 from tensorwire.errors import FailedPrecondition
 
 
@@ -123,3 +123,78 @@ def test_a_closed_loop_refuses_calls_and_closes_their_coroutines() -> None:
         bg.run(coro)
     assert coro.cr_frame is None  # closed, so no "never awaited" warning
     assert ran == []
+
+
+def test_wait_and_as_completed_count_a_cancelled_call_as_done(
+    background: BackgroundLoop,
+) -> None:
+    # concurrent.futures.wait() and as_completed() count a cancelled future
+    # as done only once set_running_or_notify_cancel() has told them, which
+    # cancel() alone does not: a call whose coroutine ended cancelled, and
+    # one its caller cancelled, must both be seen to end.
+    async def cancelled_inside() -> None:
+        await asyncio.sleep(0)
+        raise asyncio.CancelledError
+
+    ended = background.run(cancelled_inside())
+    done, _ = concurrent.futures.wait([ended], timeout=10)
+    assert ended.cancelled() and ended in done
+
+    started = threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    stopped = background.run(forever())
+    assert started.wait(10)
+    assert stopped.cancel()
+    assert list(concurrent.futures.as_completed([stopped], timeout=10)) == [stopped]
+
+
+def test_close_does_not_wait_out_a_call_cancelled_while_it_waits() -> None:
+    # close() waits for earlier calls (concurrent.futures.wait, up to
+    # CLOSE_WAIT); a caller that cancels its call meanwhile (Ctrl-C in
+    # BackgroundLoop.wait) ends that wait.
+    background = BackgroundLoop("test-background-close")
+    started = threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    future = background.run(forever())
+    assert started.wait(10)
+    canceller = threading.Timer(0.3, future.cancel)
+    canceller.start()
+    began = time.monotonic()
+    background.close()
+    canceller.join()
+    assert time.monotonic() - began < CLOSE_WAIT / 2
+
+
+def test_a_call_cancelled_after_its_task_was_made_but_before_it_ran_never_runs(
+    background: BackgroundLoop,
+) -> None:
+    # _start has made the call's task; a plain callback queued behind it
+    # holds the loop thread while the caller cancels. The task's first
+    # step comes before the cancel reaches the task: it must not run the
+    # coroutine.
+    ran: list[str] = []
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        release.wait(10)
+
+    async def record() -> None:
+        ran.append("ran")
+
+    late = background.run(record())
+    background.loop.call_soon_threadsafe(hold)
+    assert holding.wait(10)
+    assert not late.done() and late.cancel()
+    release.set()
+    background.run(asyncio.sleep(0)).result(10)  # every turn before it has run
+    done, _ = concurrent.futures.wait([late], timeout=10)
+    assert ran == [] and late in done
