@@ -173,26 +173,35 @@ class OpLog:
     async def _run(self, op: Op) -> Any:
         """Run ``op`` within its deadline; every failure becomes a CollectiveError."""
         self._watch(op)
+        expired, cancels_left = False, 0
         try:
-            return await op.body(op)
+            try:
+                return await op.body(op)
+            finally:
+                self._in_body = None
+                expired, cancels_left = self._leave_deadline(op)
         except asyncio.CancelledError:
             # The deadline's cancel, unless another came too (news of a
             # failure, close()): as asyncio.timeout() tells them apart.
-            if self._expired is not op or self._uncancel() > 0:
+            if not expired or cancels_left > 0:
                 raise
-            self._expired = None
             raise await self._timed_out(op) from None
         except CollectiveError:
             raise
         except Exception as exc:
             raise CollectiveError(f"{op.sig.decode()} #{op.seq} failed: {exc!r}") from exc
-        finally:
-            self._in_body = None
 
-    def _uncancel(self) -> int:
-        """Take back the deadline's cancel of the worker; the cancels left."""
+    def _leave_deadline(self, op: Op) -> tuple[bool, int]:
+        """``op`` left its body: whether its deadline expired, and then the
+        worker's cancels left once the deadline's is taken back. Taken back
+        however the body ended, as asyncio.timeout() does: a body that
+        absorbed the cancel and returned must not leave it counted, or the
+        next deadline's cancel would read as another's (close())."""
+        if self._expired is not op:
+            return False, 0
+        self._expired = None
         assert self._worker is not None
-        return self._worker.uncancel()
+        return True, self._worker.uncancel()
 
     # -- deadlines ------------------------------------------------------------
     #

@@ -314,6 +314,37 @@ async def test_each_operation_gets_its_own_deadline_from_its_start() -> None:
         await server.close(grace=0)
 
 
+async def test_a_deadline_after_one_whose_cancel_was_absorbed_still_times_out() -> None:
+    # An operation whose body absorbs its deadline's cancel and returns (as
+    # Python 3.11's asyncio.wait_for can when its result comes at that
+    # moment) ends normally; the deadline's cancel must be taken back all
+    # the same, or the next operation's deadline reads as close()'s cancel.
+    groups, server = await make_groups(1, config=GroupConfig(timeout=0.2, rendezvous_timeout=20))
+    (group,) = groups
+    log = group._log
+
+    async def absorbs(op: Any) -> str:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            return "absorbed"
+        return "slept"
+
+    async def hangs(op: Any) -> None:
+        await asyncio.sleep(5)
+
+    try:
+        first = log.submit("absorbs()", absorbs, None)
+        second = log.submit("hangs()", hangs, None)
+        assert await asyncio.wait_for(first, 10) == "absorbed"
+        with pytest.raises(CollectiveTimeout, match=r"hangs\(\) #1 .* within 0\.2 s"):
+            await asyncio.wait_for(second, 10)
+        assert isinstance(log.failed, CollectiveTimeout)
+    finally:
+        await group.close()
+        await server.close(grace=0)
+
+
 async def test_cancelling_the_wait_does_not_withdraw_the_operation(trio: list[Group]) -> None:
     xs = [np.ones(100) for _ in trio]
     works = [g.allreduce(x) for g, x in zip(trio, xs, strict=True)]
