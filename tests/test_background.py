@@ -125,6 +125,12 @@ def test_a_closed_loop_refuses_calls_and_closes_their_coroutines() -> None:
     assert ran == []
 
 
+async def _until_cancelled(started: threading.Event) -> None:
+    """Say it started, then wait until cancelled."""
+    started.set()
+    await asyncio.sleep(3600)
+
+
 def test_wait_and_as_completed_count_a_cancelled_call_as_done(
     background: BackgroundLoop,
 ) -> None:
@@ -141,12 +147,7 @@ def test_wait_and_as_completed_count_a_cancelled_call_as_done(
     assert ended.cancelled() and ended in done
 
     started = threading.Event()
-
-    async def forever() -> None:
-        started.set()
-        await asyncio.sleep(3600)
-
-    stopped = background.run(forever())
+    stopped = background.run(_until_cancelled(started))
     assert started.wait(10)
     assert stopped.cancel()
     assert list(concurrent.futures.as_completed([stopped], timeout=10)) == [stopped]
@@ -158,12 +159,7 @@ def test_close_does_not_wait_out_a_call_cancelled_while_it_waits() -> None:
     # BackgroundLoop.wait) ends that wait.
     background = BackgroundLoop("test-background-close")
     started = threading.Event()
-
-    async def forever() -> None:
-        started.set()
-        await asyncio.sleep(3600)
-
-    future = background.run(forever())
+    future = background.run(_until_cancelled(started))
     assert started.wait(10)
     canceller = threading.Timer(0.3, future.cancel)
     canceller.start()
