@@ -199,10 +199,12 @@ async def _settle(coro: Coroutine[Any, Any, T], future: concurrent.futures.Futur
         _notify_cancelled(future)
         raise
     except BaseException as exc:
+        # KeyboardInterrupt and SystemExit too: the caller's to raise
+        # (``future.result()`` does), not the loop thread's. Raised there,
+        # as from a plain task, they would stop the loop under every other
+        # call of every facade that shares it, and those would wait forever.
         if future.set_running_or_notify_cancel():
             future.set_exception(exc)
-        if not isinstance(exc, Exception):
-            raise  # KeyboardInterrupt, SystemExit: the loop's, as from any task
     else:
         if future.set_running_or_notify_cancel():
             future.set_result(result)

@@ -194,3 +194,21 @@ def test_a_call_cancelled_after_its_task_was_made_but_before_it_ran_never_runs(
     background.run(asyncio.sleep(0)).result(10)  # every turn before it has run
     done, _ = concurrent.futures.wait([late], timeout=10)
     assert ran == [] and late in done
+
+
+@pytest.mark.parametrize("exit_error", [SystemExit, KeyboardInterrupt])
+def test_a_call_that_raises_systemexit_gives_it_to_its_caller_and_the_loop_goes_on(
+    background: BackgroundLoop, exit_error: type[BaseException],
+) -> None:
+    async def leave() -> None:
+        await asyncio.sleep(0)
+        raise exit_error("from a call")
+
+    with pytest.raises(exit_error, match="from a call"):
+        background.run(leave()).result(10)
+
+    async def add(a: int, b: int) -> int:
+        await asyncio.sleep(0)
+        return a + b
+
+    assert background.run(add(1, 2)).result(10) == 3  # the loop thread still runs
