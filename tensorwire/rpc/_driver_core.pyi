@@ -31,6 +31,7 @@ class DriverCore(MessageReceiver):
     _writing: asyncio.Future[None] | None
     _writing_flushed: asyncio.Future[None] | None
     _turn: asyncio.Handle | None
+    _turn_posts: int
     _eager: bool
     flush_gate: FlushGate
     _stamp_messages: bool

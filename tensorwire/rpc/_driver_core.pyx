@@ -144,12 +144,13 @@ cdef class DriverCore(MessageReceiver):
         if self._unsent > self._high_water and not self.reading_paused:
             self._pause_reading()
         self._outbox.append(frames)
+        self._turn_posts += 1
         if self._writing is None:
             if self._turn is None:
                 self._turn = self.loop.call_soon(self._end_turn)
                 if self._eager:
                     self._flush()
-            elif len(self._outbox) >= BATCH and self.flush_gate.early():
+            elif len(self._outbox) >= BATCH and self.flush_gate.early(self._turn_posts):
                 self._flush()
         return nbytes
 
@@ -176,7 +177,8 @@ cdef class DriverCore(MessageReceiver):
 
     def _end_turn(self):
         self._turn = None
-        self.flush_gate.turn_ended()
+        self.flush_gate.turn_ended(self._turn_posts)
+        self._turn_posts = 0
         if self._outbox and self._writing is None and self.error is None:
             self._flush()
 
