@@ -717,4 +717,3 @@ class PSClient:
             for key in keys:
                 shards.seen[key] = max(shards.seen.get(key, 0), read_at)
         return batch, result
-

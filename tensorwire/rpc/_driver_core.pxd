@@ -32,7 +32,7 @@ cdef class DriverCore(MessageReceiver):
     cdef public object _writing
     cdef public object _writing_flushed
     cdef public object _turn
-    # Messages posted in this turn (from its first post to _end_turn).
+    # Messages posted in this turn (from the post that opened it to _end_turn).
     cdef public Py_ssize_t _turn_posts
     # Write a turn's first message at once (see post_frames()).
     cdef public bint _eager

@@ -147,6 +147,7 @@ cdef class DriverCore(MessageReceiver):
         self._turn_posts += 1
         if self._writing is None:
             if self._turn is None:
+                self._turn_posts = 1  # this post opens the turn
                 self._turn = self.loop.call_soon(self._end_turn)
                 if self._eager:
                     self._flush()
