@@ -195,7 +195,9 @@ async def main():
             calls += 1
 
     await asyncio.gather(*(caller() for _ in range(64)))
-    print(gate.switched, gate.held, calls)
+    print(gate.switched, gate.held, calls, flush=True)
+    if sys.argv[3:] == ["wait"]:  # connected until the test says (a line on stdin)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     await client.close()
 
 asyncio.run(main())
@@ -243,33 +245,6 @@ async def main():
 asyncio.run(main())
 """
 
-CLIENT_WAITING = """
-import asyncio, os, sys, time
-os.sched_setaffinity(0, {int(sys.argv[2])})
-import tensorwire as tw
-
-async def main():
-    client = await tw.connect(sys.argv[1])
-    for _ in range(200):
-        await client.call("Store.echo", 7)
-    calls = 0
-    end = time.monotonic() + 1.0
-
-    async def caller():
-        nonlocal calls
-        while time.monotonic() < end:
-            assert await client.call("Store.echo", 7) == 7
-            calls += 1
-
-    await asyncio.gather(*(caller() for _ in range(64)))
-    print(calls, flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    await client.close()
-
-asyncio.run(main())
-"""
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sched_setaffinity is Linux's")
 def test_a_server_sharing_the_clients_cpu_sends_long_turns_whole() -> None:
     # 64 calls in flight, both ends on one CPU. The server's early batch
@@ -283,10 +258,10 @@ def test_a_server_sharing_the_clients_cpu_sends_long_turns_whole() -> None:
                           **pipes) as server:  # type: ignore[call-overload]
         try:
             address = server.stdout.readline().strip()
-            with subprocess.Popen([sys.executable, "-c", CLIENT_WAITING, address, cpu],
+            with subprocess.Popen([sys.executable, "-c", CLIENT, address, cpu, "wait"],
                                   **pipes) as client:  # type: ignore[call-overload]
                 try:
-                    calls = int(client.stdout.readline())
+                    calls = int(client.stdout.readline().split()[2])
                     server.stdin.write("report\n")
                     server.stdin.flush()
                     switched, unsplit, held = map(int, server.stdout.readline().split())
