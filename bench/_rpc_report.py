@@ -84,10 +84,10 @@ def combine_pair(results: list[dict[str, Any] | str], other: str) -> dict[str, A
     return out
 
 
-def combine_cps_pair(results: list[dict[str, Any] | str]) -> dict[str, Any] | str:
-    """The one-CPU calls/s pair over the rounds: each side's median, and
-    each round's ratio (the median of its slices' ratios), whose median the
-    target reads."""
+def combine_cps_pair(results: list[dict[str, Any] | str], other: str) -> dict[str, Any] | str:
+    """The one-CPU calls/s pair over the rounds: each side's median (the
+    RPC's and ``other``'s), and each round's ratio (the median of its
+    slices' ratios), whose median the target reads."""
     good = [r for r in results if isinstance(r, dict)]
     if not good:
         return str(results[0])
@@ -95,7 +95,7 @@ def combine_cps_pair(results: list[dict[str, Any] | str]) -> dict[str, Any] | st
     return {"errors": _errors(results), "ratios": ratios, "ratio": statistics.median(ratios),
             "slices": [len(r["ratios"]) for r in good],
             "rpc_cps64": statistics.median([r["rpc"]["cps64"] for r in good]),
-            "other_cps64": statistics.median([r["floor"]["cps64"] for r in good])}
+            "other_cps64": statistics.median([r[other]["cps64"] for r in good])}
 
 
 def cps_pair_section(row: dict[str, Any] | str, plan: Plan) -> list[str]:

@@ -209,7 +209,7 @@ def main() -> None:
             print(f"counting the instructions of a tiny call: {kind} ...", file=sys.stderr)
             counts[kind] = instructions_per_call(kind)
     kinds = {v.name: v.kind for v in VARIANTS}
-    rows = {name: (combine_cps_pair(results) if kinds[name] == "pair-floor"
+    rows = {name: (combine_cps_pair(results, PAIRED[kinds[name]]) if kinds[name] == "pair-floor"
                    else combine_pair(results, PAIRED[kinds[name]]) if kinds[name] in PAIRED
                    else combine(results))
             for name, results in runs.items()}
